@@ -1,0 +1,354 @@
+"""Variable-length, non-causal attention over packed image patches: ``torch.ops.qvl.vision_attn``.
+
+One launch covers every image/frame of a batch. The grid comes from shapes alone,
+``(T // BLOCK_M + B, H)`` programs for T tokens in B segments: segment b owns the program range
+``[cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1)``, which holds at least ``ceil(S_b / BLOCK_M)``
+programs, and each program finds its segment by a binary search over ``cu_seqlens`` on the device.
+No ``max_seqlen`` is needed and nothing is read back to the host, so the op behaves the same under
+CUDA graphs and torch.compile whatever the image sizes.
+
+Head dims that are not a power of two are tiled as a power-of-two main part plus a narrow tail
+(72 = 64 + 16-wide tail holding 8 live columns), so the dot products do 80/72 of the needed work
+where padding to 128 would do 128/72.
+
+Softmax runs online in fp32 with exp2 (log2(e) folded into the scale). With ``positions`` the 2D
+rotary embedding is applied to q and k as they are loaded (see :mod:`qvl.kernels.rotary`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    FLOAT_DTYPES,
+    backend_for,
+    check_cu_seqlens,
+    check_same_device,
+    check_tensor,
+    device_guard,
+)
+from .rotary import (
+    _LOG2_E,
+    check_positions,
+    check_rope_head_dim,
+    check_rope_theta,
+    rope_apply,
+    rope_cos_sin,
+    rope_dim_tables,
+    rotary_2d_reference,
+)
+
+__all__ = ["vision_attn", "vision_attn_reference", "MAX_HEAD_DIM", "head_dim_tiles"]
+
+MAX_HEAD_DIM = 256
+
+
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """(main, tail) tile widths for ``head_dim``: main is the largest power of two <= head_dim (at least
+    16, the smallest dot dimension GPUs accept for 16-bit types), tail the next power of two >= the rest
+    (0 when nothing is left)."""
+    main = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - main
+    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    return main, tail
+
+
+@triton.jit
+def _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Load a ``(len(rows), len(offs_d))`` tile; rows are int64 token indices."""
+    ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+    if MASK_ROWS:
+        mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    else:
+        mask = offs_d[None, :] < HEAD_DIM
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_rotated(base, rows, stride_t, offs_d, row_mask, row_pos, col_pos, inv_freq, from_col, partner, sign,
+                  HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, APPLY_ROPE: tl.constexpr):
+    """Load a tile and, with APPLY_ROPE, rotate it and round it back to the input dtype (as the
+    standalone rotary op would store it)."""
+    x = _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, MASK_ROWS)
+    if APPLY_ROPE:
+        x_partner = _load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, MASK_ROWS)
+        cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+        x = rope_apply(x, x_partner, cos, sin, sign)
+        # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
+        x = tl.where(offs_d[None, :] < HEAD_DIM, x, 0.0).to(base.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _attn_kv_block(
+    acc_main, acc_tail, m_i, l_i, q_main, q_tail,
+    K, V, Positions, kv_start, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+    offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t, sign_t,
+    HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KV: tl.constexpr, APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment."""
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    kv_mask = offs_n < seqlen
+    rows = seq_start + offs_n
+    row_pos = offs_n
+    col_pos = offs_n
+    if APPLY_ROPE:
+        row_pos = tl.load(Positions + rows * stride_pt, mask=kv_mask, other=0)
+        col_pos = tl.load(Positions + rows * stride_pt + 1, mask=kv_mask, other=0)
+
+    k_main = _load_rotated(K, rows, stride_kt, offs_dm, kv_mask, row_pos, col_pos, inv_freq_m, from_col_m,
+                           partner_m, sign_m, HEAD_DIM, MASK_KV, APPLY_ROPE)
+    qk = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        k_tail = _load_rotated(K, rows, stride_kt, offs_dt, kv_mask, row_pos, col_pos, inv_freq_t, from_col_t,
+                               partner_t, sign_t, HEAD_DIM, MASK_KV, APPLY_ROPE)
+        qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale
+    if MASK_KV:
+        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(V.dtype.element_ty)
+
+    v_main = _load_rows(V, rows, stride_vt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
+    acc_main = tl.dot(p, v_main, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        v_tail = _load_rows(V, rows, stride_vt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
+        acc_tail = tl.dot(p, v_tail, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_main, acc_tail, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_segments", "search_steps"])
+def _vision_attn_kernel(
+    # pointers
+    Q, K, V, Out, CuSeqlens, Positions,
+    # sizes
+    num_segments, search_steps,
+    # scalars
+    qk_scale, log2_theta,
+    # strides (tokens, heads); the last dim is contiguous
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+
+    # Segment b starts at program cu[b] // BLOCK_M + b, strictly increasing in b: binary search for the
+    # last segment starting at or before pid.
+    lo = pid * 0
+    hi = lo + num_segments
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        mid_start = tl.load(CuSeqlens + mid) // BLOCK_M + mid
+        before = mid_start <= pid
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid)
+    segment = lo
+    seq_start_i32 = tl.load(CuSeqlens + segment)
+    seq_start = seq_start_i32.to(tl.int64)
+    seqlen = (tl.load(CuSeqlens + segment + 1) - seq_start_i32).to(tl.int64)
+    m_start = (pid - (seq_start_i32 // BLOCK_M + segment)).to(tl.int64) * BLOCK_M
+
+    if m_start < seqlen:
+        HAS_TAIL: tl.constexpr = D_TAIL > 0
+        D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+        Q += head.to(tl.int64) * stride_qh
+        K += head.to(tl.int64) * stride_kh
+        V += head.to(tl.int64) * stride_vh
+        Out += head.to(tl.int64) * stride_oh
+
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        q_mask = offs_m < seqlen
+        q_rows = seq_start + offs_m
+        offs_dm = tl.arange(0, D_MAIN)
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
+
+        # Placeholders, replaced when APPLY_ROPE (Triton needs every name bound on both paths).
+        row_pos, col_pos = offs_m, offs_m
+        inv_freq_m, from_col_m, partner_m, sign_m = offs_dm, offs_dm, offs_dm, offs_dm
+        inv_freq_t, from_col_t, partner_t, sign_t = offs_dt, offs_dt, offs_dt, offs_dt
+        if APPLY_ROPE:
+            inv_freq_m, from_col_m, partner_m, sign_m = rope_dim_tables(offs_dm, HEAD_DIM, log2_theta)
+            inv_freq_t, from_col_t, partner_t, sign_t = rope_dim_tables(offs_dt, HEAD_DIM, log2_theta)
+            row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
+            col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
+
+        q_main = _load_rotated(Q, q_rows, stride_qt, offs_dm, q_mask, row_pos, col_pos, inv_freq_m, from_col_m,
+                               partner_m, sign_m, HEAD_DIM, True, APPLY_ROPE)
+        q_tail = q_main
+        acc_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
+        if HAS_TAIL:
+            q_tail = _load_rotated(Q, q_rows, stride_qt, offs_dt, q_mask, row_pos, col_pos, inv_freq_t, from_col_t,
+                                   partner_t, sign_t, HEAD_DIM, True, APPLY_ROPE)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_main = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
+
+        # Full key blocks need no row mask; the ragged last block is handled apart.
+        full_end = (seqlen // BLOCK_N) * BLOCK_N
+        for kv_start in range(0, full_end, BLOCK_N):
+            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
+                acc_main, acc_tail, m_i, l_i, q_main, q_tail,
+                K, V, Positions, kv_start, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+                offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
+                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, False, APPLY_ROPE, DOT_PRECISION,
+            )  # fmt: skip
+        if full_end < seqlen:
+            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
+                acc_main, acc_tail, m_i, l_i, q_main, q_tail,
+                K, V, Positions, full_end, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+                offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
+                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, True, APPLY_ROPE, DOT_PRECISION,
+            )  # fmt: skip
+
+        inv_l = 1.0 / l_i
+        out_rows = Out + q_rows[:, None] * stride_ot
+        tl.store(
+            out_rows + offs_dm[None, :],
+            (acc_main * inv_l[:, None]).to(Out.dtype.element_ty),
+            mask=q_mask[:, None] & (offs_dm[None, :] < HEAD_DIM),
+        )
+        if HAS_TAIL:
+            tl.store(
+                out_rows + offs_dt[None, :],
+                (acc_tail * inv_l[:, None]).to(Out.dtype.element_ty),
+                mask=q_mask[:, None] & (offs_dt[None, :] < HEAD_DIM),
+            )
+
+
+def _launch_config(head_dim: int) -> dict:
+    main, tail = head_dim_tiles(head_dim)
+    if main + tail <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def vision_attn_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """Pure-torch varlen attention with the op's semantics; returns a contiguous tensor in q's dtype.
+
+    Computes in fp32 (float64 inputs in float64, the tests' ground truth). Reads ``cu_seqlens`` on the
+    host: this is the CPU path and the tests' oracle, not a GPU path.
+    """
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    if positions is not None:
+        q, k = rotary_2d_reference(q, k, positions, rope_theta)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].to(compute).transpose(0, 1) for x in (q, k, v))
+        weights = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
+        out[start:end] = (weights @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _check_attn_args(
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, read_values: bool = True
+) -> None:
+    op = "vision_attn"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, x, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{op}: {name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} must have q's dtype {q.dtype}, got {x.dtype}")
+    check_same_device(op, {"q": q, "k": k, "v": v})
+    head_dim = q.shape[-1]
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim D = q.shape[-1] must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
+        not isinstance(max_seqlen, int) or max_seqlen < 0
+    ):
+        raise ValueError(f"{op}: max_seqlen must be None or a non-negative int, got {max_seqlen!r}")
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"{op}: softmax_scale must be None or a finite number > 0, got {softmax_scale}")
+    check_cu_seqlens(op, cu_seqlens, q.shape[0], q.device, read_values)
+    if positions is not None:
+        check_rope_head_dim(op, head_dim)
+        check_rope_theta(op, rope_theta)
+        check_positions(op, positions, q.shape[0], q.device, read_values)
+
+
+@torch.library.custom_op("qvl::vision_attn", mutates_args=(), device_types=("cpu", "cuda"))
+def vision_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """Non-causal attention of each token over the tokens of its own segment.
+
+    Args:
+        q, k, v: ``(T, H, D)``, fp16/bf16/fp32, one dtype and device, last dim contiguous (token and
+            head strides free: ``qkv.view(T, 3, H, D).unbind(1)`` views work without copies). D <= 256.
+        cu_seqlens: int32 ``(B + 1,)`` on q's device: 0, non-decreasing, ends at T. Zero-length
+            segments and T = 0 are fine.
+        max_seqlen: optional hint, unused by the launch (the grid is derived from T, B and H).
+        softmax_scale: defaults to ``D ** -0.5``.
+        positions: optional int32 ``(T, 2)`` (row, col) per token: rotate q and k with Qwen3-VL's 2D
+            rotary embedding while loading them (same result as :func:`rotary_2d` first). Needs D % 4 == 0.
+        rope_theta: rotary base, used with ``positions``.
+
+    Returns a new contiguous ``(T, H, D)`` tensor in q's dtype; softmax and accumulation in fp32.
+    Nothing is mutated. Forward only (no autograd).
+    """
+    _check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)
+    if backend_for(q.device) == "torch":
+        return vision_attn_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta)
+
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_segments = cu_seqlens.shape[0] - 1
+    if num_tokens == 0 or num_heads == 0 or num_segments == 0:
+        return out
+    d_main, d_tail = head_dim_tiles(head_dim)
+    config = _launch_config(head_dim)
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
+    apply_rope = positions is not None
+    with device_guard(q.device):
+        _vision_attn_kernel[grid](
+            q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens,
+            num_segments, max(1, (num_segments - 1).bit_length()),
+            scale * _LOG2_E, math.log2(rope_theta),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
+            HEAD_DIM=head_dim, D_MAIN=d_main, D_TAIL=d_tail,
+            APPLY_ROPE=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **config,
+        )  # fmt: skip
+    return out
+
+
+@vision_attn.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, positions=None, rope_theta=10000.0):
+    _check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, read_values=False)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

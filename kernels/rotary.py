@@ -1,0 +1,267 @@
+"""Qwen3-VL's axial 2D rotary embedding: ``torch.ops.qvl.rotary_2d`` and ``torch.ops.qvl.rotary_2d_``.
+
+Semantics (transformers' ``Qwen3VLVisionRotaryEmbedding`` + ``apply_rotary_pos_emb_vision``): with
+``D = head_dim`` and ``inv_freq[f] = rope_theta ** (-4 f / D)`` for ``f < D/4``, token ``t`` at grid
+position ``(row, col)`` has angles ``[row * inv_freq | col * inv_freq]`` (width ``D/2``), duplicated to
+width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp32 and cast back.
+
+The kernels compute cos/sin in fp32 from the int32 positions: no ``(T, D)`` cos/sin table exists. The
+same tile helpers rotate q and k inside ``torch.ops.qvl.vision_attn`` when it is given ``positions``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    FLOAT_DTYPES,
+    backend_for,
+    check_same_device,
+    check_tensor,
+    device_guard,
+    value_checks_enabled,
+)
+
+__all__ = ["rotary_2d", "rotary_2d_", "rotary_2d_reference", "rope_inv_freq"]
+
+_LOG2_E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tile helpers shared with the attention kernel.
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
+    """Per-dimension rotary constants for the dims ``offs_d`` of a head of width ``HEAD_DIM``.
+
+    Returns (inv_freq fp32, from_col bool, partner dim, sign fp32): dim d pairs with
+    ``partner = (d + D/2) % D`` and is rotated as ``x[d] * cos + sign * x[partner] * sin``.
+    """
+    half: tl.constexpr = HEAD_DIM // 2
+    quarter: tl.constexpr = HEAD_DIM // 4
+    in_half = offs_d % half
+    from_col = in_half >= quarter
+    freq_index = tl.where(from_col, in_half - quarter, in_half)
+    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    return inv_freq, from_col, partner, sign
+
+
+@triton.jit
+def rope_cos_sin(row_pos, col_pos, inv_freq, from_col):
+    """cos/sin ``(BLOCK_T, BLOCK_D)`` in fp32 for tokens at ``(row_pos, col_pos)`` (int32 ``(BLOCK_T,)``)."""
+    pos = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32)
+    angle = pos * inv_freq[None, :]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_apply(x, x_partner, cos, sin, sign):
+    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin``."""
+    return x.to(tl.float32) * cos + sign[None, :] * x_partner.to(tl.float32) * sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# Standalone kernel: one program rotates BLOCK_T tokens of every head of q and k, so each cos/sin
+# value is computed once and used 2*H times.
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_2d_kernel(
+    # pointers
+    Q,
+    K,
+    QOut,
+    KOut,
+    Positions,
+    # sizes
+    num_tokens,
+    num_heads,
+    log2_theta,
+    # strides (tokens, heads); the last dim is contiguous
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_pt,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_tokens
+    tokens = offs_t.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask = mask_t[:, None] & mask_d[None, :]
+
+    row_pos = tl.load(Positions + tokens * stride_pt, mask=mask_t, other=0)
+    col_pos = tl.load(Positions + tokens * stride_pt + 1, mask=mask_t, other=0)
+    inv_freq, from_col, partner, sign = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
+    cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+
+    for head in range(num_heads):
+        q_row = Q + tokens[:, None] * stride_qt + head * stride_qh
+        q = tl.load(q_row + offs_d[None, :], mask=mask, other=0.0)
+        q_partner = tl.load(q_row + partner[None, :], mask=mask, other=0.0)
+        q_out = rope_apply(q, q_partner, cos, sin, sign)
+        tl.store(
+            QOut + tokens[:, None] * stride_qot + head * stride_qoh + offs_d[None, :],
+            q_out.to(QOut.dtype.element_ty),
+            mask=mask,
+        )
+        k_row = K + tokens[:, None] * stride_kt + head * stride_kh
+        k = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
+        k_partner = tl.load(k_row + partner[None, :], mask=mask, other=0.0)
+        k_out = rope_apply(k, k_partner, cos, sin, sign)
+        tl.store(
+            KOut + tokens[:, None] * stride_kot + head * stride_koh + offs_d[None, :],
+            k_out.to(KOut.dtype.element_ty),
+            mask=mask,
+        )
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, device=None) -> torch.Tensor:
+    """``(head_dim // 4,)`` fp32 inverse frequencies, computed the way transformers does."""
+    spatial_dim = head_dim // 2
+    return 1.0 / (rope_theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=device) / spatial_dim))
+
+
+def rotary_2d_reference(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch rotary: returns contiguous ``(q_rot, k_rot)`` in the inputs' dtypes.
+
+    Math in fp32 (float64 inputs stay float64, which the tests use as ground truth).
+    """
+    head_dim = q.shape[-1]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inv_freq = rope_inv_freq(head_dim, rope_theta, device=q.device).to(compute)
+    freqs = positions.to(compute)[..., None] * inv_freq  # (T, 2, D/4)
+    angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # (T, 1, D)
+    cos, sin = angles.cos(), angles.sin()
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def check_positions(
+    op: str, positions: object, num_tokens: int, device: torch.device, read_values: bool = True
+) -> None:
+    check_tensor(op, "positions", positions, ndim=2, dtypes=(torch.int32,))
+    assert isinstance(positions, torch.Tensor)
+    if positions.shape != (num_tokens, 2):
+        raise ValueError(f"{op}: positions must have shape (T, 2) = ({num_tokens}, 2), got {tuple(positions.shape)}")
+    if positions.device != device:
+        raise ValueError(f"{op}: positions is on {positions.device} but q is on {device}")
+    if positions.numel() and positions.stride(1) != 1:
+        raise ValueError(f"{op}: positions must have a contiguous last dimension, got strides {positions.stride()}")
+    if read_values and value_checks_enabled(device) and positions.numel() and bool((positions < 0).any()):
+        raise ValueError(f"{op}: positions must be non-negative")
+
+
+def check_rope_head_dim(op: str, head_dim: int) -> None:
+    if head_dim % 4 != 0:
+        raise ValueError(f"{op}: rotary needs head_dim divisible by 4 (D/4 frequencies per axis), got {head_dim}")
+
+
+def check_rope_theta(op: str, rope_theta: object) -> None:
+    if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool):
+        raise TypeError(f"{op}: rope_theta must be a float, got {type(rope_theta).__name__}")
+    if not (rope_theta > 1.0 and math.isfinite(rope_theta)):
+        raise ValueError(f"{op}: rope_theta must be a finite number > 1, got {rope_theta}")
+
+
+def _check_rotary_args(op: str, q, k, positions, rope_theta, read_values: bool = True) -> None:
+    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor(op, "k", k, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    if k.shape != q.shape:
+        raise ValueError(f"{op}: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{op}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    check_same_device(op, {"q": q, "k": k})
+    check_rope_head_dim(op, q.shape[-1])
+    check_rope_theta(op, rope_theta)
+    check_positions(op, positions, q.shape[0], q.device, read_values)
+
+
+def _launch_rotary(q, k, q_out, k_out, positions, rope_theta: float) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0 or num_heads == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(64, 4096 // block_d))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    with device_guard(q.device):
+        _rotary_2d_kernel[grid](
+            q, k, q_out, k_out, positions,
+            num_tokens, num_heads, math.log2(rope_theta),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            positions.stride(0),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t,
+            num_warps=4,
+        )  # fmt: skip
+
+
+@torch.library.custom_op("qvl::rotary_2d", mutates_args=(), device_types=("cpu", "cuda"))
+def rotary_2d(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply Qwen3-VL's 2D rotary embedding to q and k; returns new contiguous ``(q_rot, k_rot)``.
+
+    Args:
+        q, k: ``(T, H, D)`` fp16/bf16/fp32, same shape and dtype, last dim contiguous (other strides free,
+            so views of a packed qkv work). ``D`` divisible by 4.
+        positions: int32 ``(T, 2)``: each token's (row, col) on its image's patch grid.
+        rope_theta: rotary base (10000 in every released Qwen3-VL config).
+
+    Returns ``(T, H, D)`` tensors in q's dtype. Math in fp32. Nothing is mutated.
+    """
+    _check_rotary_args("rotary_2d", q, k, positions, rope_theta)
+    if backend_for(q.device) == "torch":
+        return rotary_2d_reference(q, k, positions, rope_theta)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rotary(q, k, q_out, k_out, positions, rope_theta)
+    return q_out, k_out
+
+
+@rotary_2d.register_fake
+def _(q, k, positions, rope_theta=10000.0):
+    _check_rotary_args("rotary_2d", q, k, positions, rope_theta, read_values=False)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+@torch.library.custom_op("qvl::rotary_2d_", mutates_args=("q", "k"), device_types=("cpu", "cuda"))
+def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0) -> None:
+    """In-place :func:`rotary_2d`: rotates q and k where they lie (views of a packed qkv included).
+
+    q and k must not overlap each other. Returns nothing; mutates ``q`` and ``k``.
+    """
+    _check_rotary_args("rotary_2d_", q, k, positions, rope_theta)
+    if backend_for(q.device) == "torch":
+        q_rot, k_rot = rotary_2d_reference(q, k, positions, rope_theta)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+        return
+    _launch_rotary(q, k, q, k, positions, rope_theta)
+
+
+@rotary_2d_.register_fake
+def _(q, k, positions, rope_theta=10000.0):
+    _check_rotary_args("rotary_2d_", q, k, positions, rope_theta, read_values=False)

@@ -1,0 +1,31 @@
+"""qvl: Triton kernels for the Qwen3-VL vision tower.
+
+The repository keeps its two import packages at the top level (``kernels/`` and ``vit/``); they install
+as ``qvl.kernels`` and ``qvl.vit``. ``qvl`` itself is a namespace package with no code of its own, so no
+top-level ``kernels`` package is ever installed (Hugging Face's ``kernels`` distribution owns that name).
+"""
+
+from setuptools import setup
+
+setup(
+    name="qvl",
+    version="0.1.0",
+    description="Triton kernels and a drop-in vision tower for Qwen3-VL",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["qvl.kernels", "qvl.vit"],
+    package_dir={"qvl.kernels": "kernels", "qvl.vit": "vit"},
+    install_requires=[
+        "torch>=2.11",
+        "triton>=3.6",
+        "numpy",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.0", "pillow"],
+        "hf": ["transformers>=5.0", "pillow"],
+        "flash": ["flash-attn"],
+    },
+    entry_points={"console_scripts": ["qvl = qvl.vit.cli:main"]},
+)
