@@ -1,0 +1,313 @@
+"""torch.ops.qvl.vision_attn against float64 references, transformers' attention, and torch.compile.
+
+The Triton kernel runs through Triton's interpreter here (see conftest.py); shapes stay small for it.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import ON_GPU
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qvl.kernels import force_backend, vision_attn_reference
+from qvl.kernels.attention import head_dim_tiles
+
+
+def cu_seqlens_of(lengths, device="cpu"):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def packed_qkv(num_tokens, num_heads, head_dim, dtype, device="cpu", seed=0):
+    """q, k, v as strided views of one packed projection, the way the tower produces them."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return qkv.unbind(1)
+
+
+def attention_in_dtype(q, k, v, cu_seqlens, scale):
+    """Plain eager attention computed in the inputs' dtype: torch's own error in that dtype."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+            weights = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
+            out[start:end] = (weights @ vs).transpose(0, 1)
+    return out
+
+
+def assert_close_to_float64(out, q, k, v, cu_seqlens, softmax_scale=None, positions=None):
+    """The kernel's error against float64 must be at most about twice torch's own in the same dtype."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    ref = vision_attn_reference(q.double(), k.double(), v.double(), cu_seqlens, scale, positions)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    if positions is None:
+        torch_out = attention_in_dtype(q, k, v, cu_seqlens, scale)
+    else:
+        torch_out = vision_attn_reference(q, k, v, cu_seqlens, scale, positions)
+    torch_err = (torch_out.double() - ref).abs().max().item() if q.numel() else 0.0
+    err = (out.double() - ref).abs().max().item() if q.numel() else 0.0
+    eps = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[q.dtype]
+    assert err <= 2 * torch_err + eps, f"kernel error {err:.3g} vs torch's own {torch_err:.3g}"
+
+
+LENGTHS = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129]
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_boundary_lengths(head_dim, dtype):
+    lengths = LENGTHS[head_dim % 5 :: 2] + [0]
+    q, k, v = packed_qkv(sum(lengths), 2, head_dim, dtype, seed=head_dim)
+    cu = cu_seqlens_of(lengths)
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+def test_every_boundary_length_alone():
+    for n in LENGTHS:
+        q, k, v = packed_qkv(n, 1, 72, torch.float16, seed=n)
+        cu = cu_seqlens_of([n])
+        assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu, n), q, k, v, cu)
+
+
+def test_long_single_image():
+    q, k, v = packed_qkv(1030, 1, 64, torch.float16, seed=1)
+    cu = cu_seqlens_of([1030])
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+def test_sixteen_heads_and_many_tiny_segments():
+    lengths = [1, 2, 3, 0, 5, 4, 1, 0, 7, 3, 2, 1, 9, 1, 1, 4]
+    q, k, v = packed_qkv(sum(lengths), 16, 80, torch.float32, seed=3)
+    cu = cu_seqlens_of(lengths)
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 100, 136, 256])
+def test_unusual_head_dims(head_dim):
+    lengths = [33, 70]
+    q, k, v = packed_qkv(sum(lengths), 1, head_dim, torch.float32, seed=head_dim)
+    cu = cu_seqlens_of(lengths)
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+def test_head_dim_72_is_tiled_as_64_plus_16():
+    assert head_dim_tiles(72) == (64, 16)
+    assert head_dim_tiles(80) == (64, 16)
+    assert head_dim_tiles(64) == (64, 0)
+    assert head_dim_tiles(96) == (64, 32)
+
+
+def test_softmax_scale_and_contiguous_inputs():
+    lengths = [50, 20]
+    q, k, v = (x.contiguous() for x in packed_qkv(70, 2, 64, torch.float32, seed=5))
+    cu = cu_seqlens_of(lengths)
+    out = torch.ops.qvl.vision_attn(q, k, v, cu, softmax_scale=0.3)
+    assert_close_to_float64(out, q, k, v, cu, softmax_scale=0.3)
+
+
+def test_empty_batch_and_all_empty_segments():
+    q, k, v = packed_qkv(0, 2, 72, torch.float16)
+    for cu in (cu_seqlens_of([]), cu_seqlens_of([0, 0, 0])):
+        out = torch.ops.qvl.vision_attn(q, k, v, cu)
+        assert out.shape == (0, 2, 72)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=150), min_size=1, max_size=6),
+    num_heads=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([64, 72, 80]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(lengths, num_heads, head_dim, seed):
+    q, k, v = packed_qkv(sum(lengths), num_heads, head_dim, torch.float16, seed=seed)
+    cu = cu_seqlens_of(lengths)
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+def test_bf16_with_fp32_accumulating_dots(bf16_dot_as_fp32):
+    """bf16 attention; on CPU the interpreter's dots take the bf16 operands exactly through the
+    ``bf16_dot_as_fp32`` shim (what tensor cores compute), elementwise bf16 is the interpreter's own."""
+    lengths = [130, 17, 64]
+    q, k, v = packed_qkv(sum(lengths), 2, 72, torch.bfloat16, seed=7)
+    cu = cu_seqlens_of(lengths)
+    assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
+
+
+def test_segments_do_not_leak():
+    """Changing one segment's keys and values leaves every other segment's output bit-identical."""
+    lengths = [40, 70, 25]
+    q, k, v = (x.contiguous() for x in packed_qkv(sum(lengths), 2, 64, torch.float32, seed=11))
+    cu = cu_seqlens_of(lengths)
+    before = torch.ops.qvl.vision_attn(q, k, v, cu)
+    k[40:110] += 5.0
+    v[40:110] *= -3.0
+    after = torch.ops.qvl.vision_attn(q, k, v, cu)
+    assert torch.equal(before[:40], after[:40]) and torch.equal(before[110:], after[110:])
+    assert not torch.equal(before[40:110], after[40:110])
+
+
+def test_torch_path_matches_interpreter():
+    lengths = [90, 3, 200]
+    q, k, v = packed_qkv(sum(lengths), 2, 72, torch.float32, seed=13)
+    cu = cu_seqlens_of(lengths)
+    kernel = torch.ops.qvl.vision_attn(q, k, v, cu)
+    with force_backend("torch"):
+        reference = torch.ops.qvl.vision_attn(q, k, v, cu)
+    torch.testing.assert_close(kernel, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_large_image():
+    q, k, v = packed_qkv(4096 + 600, 2, 72, torch.float32, seed=17)
+    cu = cu_seqlens_of([4096, 600])
+    with force_backend("torch"):
+        out = torch.ops.qvl.vision_attn(q, k, v, cu)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for start, end in ((0, 4096), (4096, 4696)):
+        expected = sdpa(*(x[start:end].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+        torch.testing.assert_close(out[start:end], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+def test_fused_rotary_equals_rotary_then_attention(head_dim):
+    lengths = [36, 0, 100]
+    q, k, v = packed_qkv(sum(lengths), 2, head_dim, torch.float16, seed=head_dim)
+    cu = cu_seqlens_of(lengths)
+    positions = torch.randint(0, 48, (sum(lengths), 2), dtype=torch.int32)
+    fused = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
+    q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
+    separate = torch.ops.qvl.vision_attn(q_rot, k_rot, v, cu)
+    torch.testing.assert_close(fused, separate, rtol=2e-3, atol=2e-3)
+    assert_close_to_float64(fused, q, k, v, cu, positions=positions)
+
+
+def test_matches_transformers_vision_attention():
+    """qkv projection -> fused rotary + vision_attn -> proj equals Qwen3VLVisionAttention (sdpa)."""
+    from transformers import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+        Qwen3VLVisionAttention,
+        Qwen3VLVisionRotaryEmbedding,
+    )
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    config = Qwen3VLVisionConfig(hidden_size=144, num_heads=2, depth=1)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = Qwen3VLVisionAttention(config).eval()
+    rotary = Qwen3VLVisionRotaryEmbedding(config)
+    grid_thw = torch.tensor([[1, 6, 10], [2, 4, 4]])
+    cu = get_vision_cu_seqlens(grid_thw)
+    positions = get_vision_position_ids(grid_thw, 2)
+    hidden = torch.randn(int(cu[-1]), 144)
+    with torch.no_grad():
+        expected = attn(hidden, cu, position_embeddings=rotary(hidden, positions))
+        q, k, v = attn.qkv(hidden).view(-1, 3, 2, 72).unbind(1)
+        out = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions.to(torch.int32))
+        got = attn.proj(out.flatten(1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    lengths = [20, 0, 45]
+    q, k, v = packed_qkv(sum(lengths), 2, 72, torch.float32)
+    cu = cu_seqlens_of(lengths)
+    positions = torch.randint(0, 9, (sum(lengths), 2), dtype=torch.int32)
+    torch.library.opcheck(torch.ops.qvl.vision_attn.default, (q, k, v, cu))
+    torch.library.opcheck(torch.ops.qvl.vision_attn.default, (q, k, v, cu, 45, 0.25, positions, 100.0))
+
+
+def test_compile_fullgraph_without_recompiles():
+    def attend(qkv, cu_seqlens, positions):
+        q, k, v = qkv.unbind(1)
+        return torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions).flatten(1) * 2.0
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+
+    def check(lengths, seed):
+        q, k, v = packed_qkv(sum(lengths), 2, 72, torch.float32, seed=seed)
+        qkv = torch.stack([q, k, v], dim=1)
+        cu = cu_seqlens_of(lengths)
+        positions = torch.randint(0, 20, (sum(lengths), 2), dtype=torch.int32)
+        expected = vision_attn_reference(q, k, v, cu, positions=positions).flatten(1) * 2.0
+        torch.testing.assert_close(compiled(qkv, cu, positions), expected, rtol=1e-4, atol=1e-5)
+
+    check([30, 40, 50], seed=1)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        check([7, 90, 0, 33, 1], seed=2)
+        check([129], seed=3)
+        check([2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], seed=4)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, words",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, ValueError, "q must be 3-D"),
+        (lambda a: {**a, "k": a["k"][:-1]}, ValueError, "k must have q's shape"),
+        (lambda a: {**a, "v": a["v"].double()}, TypeError, "v must be one of"),
+        (lambda a: {**a, "v": a["v"].half()}, TypeError, "v must have q's dtype"),
+        (lambda a: {**a, "q": a["q"].transpose(1, 2)}, ValueError, "q must have a contiguous last dimension"),
+        (lambda a: {**a, "cu_seqlens": a["cu_seqlens"].long()}, TypeError, "cu_seqlens must be one of"),
+        (lambda a: {**a, "cu_seqlens": a["cu_seqlens"][None]}, ValueError, "cu_seqlens must be 1-D"),
+        (lambda a: {**a, "cu_seqlens": cu_seqlens_of([5, 4])}, ValueError, "cu_seqlens must end at"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 8, 4, 10], dtype=torch.int32)}, ValueError, "non-decreasing"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([1, 10], dtype=torch.int32)}, ValueError, "start at 0"),
+        (lambda a: {**a, "softmax_scale": 0.0}, ValueError, "softmax_scale"),
+        (lambda a: {**a, "softmax_scale": -1.0}, ValueError, "softmax_scale"),
+        (lambda a: {**a, "max_seqlen": -3}, ValueError, "max_seqlen"),
+        (lambda a: {**a, "positions": torch.zeros(10, 3, dtype=torch.int32)}, ValueError, "positions must have shape"),
+        (lambda a: {**a, "positions": torch.zeros(10, 2)}, TypeError, "positions must be one of"),
+        (lambda a: {**a, "positions": torch.full((10, 2), -1, dtype=torch.int32)}, ValueError, "non-negative"),
+        (lambda a: {**a, "positions": torch.zeros(10, 2, dtype=torch.int32), "rope_theta": 0.5}, ValueError, "rope_theta"),
+    ],
+)
+def test_bad_input(mutate, error, words):
+    q, k, v = packed_qkv(10, 2, 72, torch.float32)
+    args = dict(q=q, k=k, v=v, cu_seqlens=cu_seqlens_of([4, 6]))
+    with pytest.raises(error, match=words):
+        torch.ops.qvl.vision_attn(**mutate(args))
+
+
+@pytest.mark.parametrize("head_dim, error", [(0, ValueError), (257, ValueError)])
+def test_bad_head_dim(head_dim, error):
+    q = torch.zeros(4, 1, head_dim)
+    with pytest.raises(error, match="head dim"):
+        torch.ops.qvl.vision_attn(q, q, q, cu_seqlens_of([4]))
+
+
+def test_rotary_needs_head_dim_divisible_by_four():
+    q, k, v = packed_qkv(4, 1, 70, torch.float32)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        torch.ops.qvl.vision_attn(q, k, v, cu_seqlens_of([4]), positions=torch.zeros(4, 2, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot hold 2**31-element tensors here)")
+def test_int64_offsets_past_2_pow_31():
+    """A packed qkv whose token stride times token count passes 2**31 elements."""
+    num_tokens, head_dim, num_heads = 700_000, 72, 16
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    assert num_tokens * q.stride(0) > 2**31
+    cu = torch.tensor([0, num_tokens - 300, num_tokens], dtype=torch.int32, device="cuda")
+    out = torch.ops.qvl.vision_attn(q, k, v, cu)
+    tail = slice(num_tokens - 300, num_tokens)
+    expected = vision_attn_reference(q[tail].float(), k[tail].float(), v[tail].float(), cu_seqlens_of([300], "cuda"))
+    torch.testing.assert_close(out[tail].float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+def test_bf16_on_gpu(head_dim):
+    lengths = [1, 257, 1024, 33]
+    q, k, v = packed_qkv(sum(lengths), 16, head_dim, torch.bfloat16, device="cuda")
+    cu = cu_seqlens_of(lengths, "cuda")
+    out = torch.ops.qvl.vision_attn(q, k, v, cu)
+    ref = vision_attn_reference(q.double(), k.double(), v.double(), cu)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert math.isfinite(rel) and rel < 1e-2

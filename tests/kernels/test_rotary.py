@@ -1,0 +1,127 @@
+"""torch.ops.qvl.rotary_2d / rotary_2d_ against transformers' Qwen3-VL vision rotary embedding."""
+
+import pytest
+import torch
+from transformers import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+    Qwen3VLVisionRotaryEmbedding,
+    apply_rotary_pos_emb_vision,
+)
+from transformers.vision_utils import get_vision_position_ids
+
+from qvl.kernels import force_backend, rotary_2d_reference
+
+GRIDS = [[1, 2, 2], [1, 6, 10], [1, 50, 34], [2, 8, 8], [4, 16, 12]]
+# One ulp of the dtype at |x| ~ 4, the largest rotated values these tests see.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
+
+
+def transformers_rotary(q, k, positions, head_dim):
+    config = Qwen3VLVisionConfig(hidden_size=head_dim * q.shape[1], num_heads=q.shape[1])
+    cos, sin = Qwen3VLVisionRotaryEmbedding(config)(q, positions.long())
+    return apply_rotary_pos_emb_vision(q, k, cos, sin)
+
+
+def grid_positions(grids):
+    return get_vision_position_ids(torch.tensor(grids), 2).to(torch.int32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matches_transformers(head_dim, dtype):
+    positions = grid_positions(GRIDS[:2] + GRIDS[3:])
+    num_tokens = positions.shape[0]
+    qkv = torch.randn(num_tokens, 3, 2, head_dim).to(dtype)
+    q, k, _ = qkv.unbind(1)
+    expected_q, expected_k = transformers_rotary(q, k, positions, head_dim)
+    q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
+    assert q_rot.is_contiguous() and q_rot.dtype == dtype
+    torch.testing.assert_close(q_rot, expected_q, rtol=0, atol=TOLERANCE[dtype])
+    torch.testing.assert_close(k_rot, expected_k, rtol=0, atol=TOLERANCE[dtype])
+
+
+def test_large_grid_and_theta():
+    positions = grid_positions([GRIDS[2]])
+    q, k = torch.randn(2, positions.shape[0], 1, 72).unbind(0)
+    expected = rotary_2d_reference(q.double(), k.double(), positions, 500.0)
+    got = torch.ops.qvl.rotary_2d(q, k, positions, 500.0)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=0, atol=2e-5)
+
+
+def test_in_place_on_packed_qkv_views():
+    positions = grid_positions([[1, 6, 10], [2, 4, 4]])
+    qkv = torch.randn(positions.shape[0], 3, 2, 72, dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    v_before = v.clone()
+    expected_q, expected_k = torch.ops.qvl.rotary_2d(q, k, positions)
+    torch.ops.qvl.rotary_2d_(q, k, positions)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, v_before)
+
+
+def test_torch_path_matches_kernel():
+    positions = grid_positions([[1, 6, 10]])
+    q, k = torch.randn(2, positions.shape[0], 3, 80).unbind(0)
+    kernel = torch.ops.qvl.rotary_2d(q, k, positions)
+    with force_backend("torch"):
+        reference = torch.ops.qvl.rotary_2d(q, k, positions)
+        q_in_place, k_in_place = q.clone(), k.clone()
+        torch.ops.qvl.rotary_2d_(q_in_place, k_in_place, positions)
+    for a, b in zip(kernel, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    torch.testing.assert_close(q_in_place, reference[0], rtol=0, atol=0)
+
+
+def test_empty_batch():
+    q = torch.empty(0, 2, 72)
+    q_rot, k_rot = torch.ops.qvl.rotary_2d(q, q, torch.empty(0, 2, dtype=torch.int32))
+    assert q_rot.shape == (0, 2, 72) and k_rot.shape == (0, 2, 72)
+
+
+def test_opcheck():
+    positions = grid_positions([[1, 4, 6]])
+    q, k = torch.randn(2, positions.shape[0], 2, 72).unbind(0)
+    torch.library.opcheck(torch.ops.qvl.rotary_2d.default, (q, k, positions))
+    torch.library.opcheck(torch.ops.qvl.rotary_2d_.default, (q.clone(), k.clone(), positions, 100.0))
+
+
+def test_compile_fullgraph_without_recompiles():
+    def rotate(qkv, positions):
+        q, k, _ = qkv.unbind(1)
+        q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
+        return q_rot + k_rot
+
+    compiled = torch.compile(rotate, fullgraph=True, dynamic=True)
+
+    def check(grids):
+        positions = grid_positions(grids)
+        qkv = torch.randn(positions.shape[0], 3, 2, 72)
+        q, k, _ = qkv.unbind(1)
+        expected = sum(rotary_2d_reference(q, k, positions))
+        torch.testing.assert_close(compiled(qkv, positions), expected, rtol=0, atol=5e-5)
+
+    check([[1, 4, 6]])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        check([[2, 8, 8], [1, 2, 2]])
+        check([[1, 6, 10]])
+
+
+@pytest.mark.parametrize(
+    "mutate, error, words",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, ValueError, "q must be 3-D"),
+        (lambda a: {**a, "k": a["k"][:, :1]}, ValueError, "k must have q's shape"),
+        (lambda a: {**a, "k": a["k"].half()}, TypeError, "k must have q's dtype"),
+        (lambda a: {**a, "q": a["q"].long()}, TypeError, "q must be one of"),
+        (lambda a: {**a, "positions": a["positions"].long()}, TypeError, "positions must be one of"),
+        (lambda a: {**a, "positions": a["positions"][:-1]}, ValueError, "positions must have shape"),
+        (lambda a: {**a, "positions": -a["positions"] - 1}, ValueError, "positions must be non-negative"),
+        (lambda a: {**a, "rope_theta": 1.0}, ValueError, "rope_theta"),
+        (lambda a: {**a, "q": a["q"][..., :70], "k": a["k"][..., :70]}, ValueError, "divisible by 4"),
+    ],
+)
+def test_bad_input(mutate, error, words):
+    args = dict(q=torch.randn(8, 2, 72), k=torch.randn(8, 2, 72), positions=torch.zeros(8, 2, dtype=torch.int32))
+    with pytest.raises(error, match=words):
+        torch.ops.qvl.rotary_2d(**mutate(args))

@@ -1,0 +1,264 @@
+"""Host-side metadata for one forward of the vision tower, built once per batch from ``grid_thw``.
+
+Everything here depends only on the patch-grid sizes, so it is computed on the host with numpy and
+moved to the device in one go before the forward starts. The forward then never reads a device tensor
+back to the host (no ``.item()``, ``.tolist()`` or ``.max()`` syncs), which keeps it CUDA-graph and
+``torch.compile`` friendly whatever the image sizes.
+
+The layouts are transformers' (``transformers.vision_utils``), in merge-block token order
+``[t][block_row][block_col][row_in_block][col_in_block]``:
+
+* ``cu_seqlens``: one attention segment per temporal slice (``get_vision_cu_seqlens``);
+* ``positions``: each token's (row, col) on its grid (``get_vision_position_ids``);
+* ``interp_indices`` / ``interp_weights``: the bilinear, align-corners resampling of the learned
+  ``num_grid_per_side ** 2`` position table (``get_vision_interpolation_indices_and_weights``), with
+  the same fp32 arithmetic, so the weights are bit-identical to transformers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["VisionMetadata", "build_metadata"]
+
+# Token counts, segment offsets, positions and table indices all travel as int32.
+_INT32_LIMIT = 2**31
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VisionMetadata:
+    """Per-batch metadata for the vision tower (see :func:`build_metadata`).
+
+    Attributes:
+        grid_thw: CPU int64 ``(N, 3)``: (t, h, w) patch counts per image/video.
+        cu_seqlens: int32 ``(S + 1,)``, one segment of ``h * w`` tokens per temporal slice (S = sum t).
+        max_seqlen: longest segment (Python int; 0 for an empty batch).
+        positions: int32 ``(T, 2)``: (row, col) of every token.
+        interp_indices: int32 ``(T, 4)``: rows of the learned position table to blend per token.
+        interp_weights: fp32 ``(T, 4)``: their bilinear weights.
+        spatial_merge_size: merge block side the token order was built for.
+        num_grid_per_side: side of the learned position grid the indices point into.
+        token_counts: ``t * h * w`` per entry (Python ints).
+        merged_token_counts: ``t * h * w // spatial_merge_size ** 2`` per entry, for splitting the
+            merger's output per image.
+    """
+
+    grid_thw: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    interp_indices: torch.Tensor
+    interp_weights: torch.Tensor
+    spatial_merge_size: int
+    num_grid_per_side: int
+    token_counts: tuple[int, ...]
+    merged_token_counts: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_merged_tokens(self) -> int:
+        return sum(self.merged_token_counts)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> VisionMetadata:
+        """A copy with the device tensors on ``device`` (``grid_thw`` stays on the CPU)."""
+        device = torch.device(device)
+        return dataclasses.replace(
+            self,
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
+            positions=self.positions.to(device, non_blocking=non_blocking),
+            interp_indices=self.interp_indices.to(device, non_blocking=non_blocking),
+            interp_weights=self.interp_weights.to(device, non_blocking=non_blocking),
+        )
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"build_metadata: {name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"build_metadata: {name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _grid_as_numpy(grid_thw: object) -> np.ndarray:
+    """``grid_thw`` as an int64 ``(N, 3)`` array, without ever touching a device tensor's values."""
+    if isinstance(grid_thw, torch.Tensor):
+        if grid_thw.device.type != "cpu":
+            raise ValueError(
+                f"build_metadata: grid_thw must be a CPU tensor, numpy array or list, got a tensor on "
+                f"{grid_thw.device}; reading it would sync the device. Pass the processor's CPU grid_thw "
+                f"(or call .cpu() yourself, accepting the sync)."
+            )
+        if grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
+            raise TypeError(f"build_metadata: grid_thw must hold integers, got {grid_thw.dtype}")
+        array = grid_thw.detach().numpy()
+    elif isinstance(grid_thw, np.ndarray):
+        array = grid_thw
+    elif isinstance(grid_thw, Sequence):
+        array = np.asarray(grid_thw)
+        if array.size == 0:
+            # An empty list carries no shape and becomes float64: it is the empty batch.
+            array = np.zeros((0, 3), dtype=np.int64)
+    else:
+        raise TypeError(
+            f"build_metadata: grid_thw must be a CPU tensor, numpy array or sequence of (t, h, w), "
+            f"got {type(grid_thw).__name__}"
+        )
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"build_metadata: grid_thw must hold integers, got dtype {array.dtype}")
+    if array.ndim != 2 or array.shape[1] != 3:
+        raise ValueError(f"build_metadata: grid_thw must have shape (N, 3), got {tuple(array.shape)}")
+    return array.astype(np.int64)
+
+
+def _check_grid(grid: np.ndarray, merge: int) -> None:
+    non_positive = np.flatnonzero((grid <= 0).any(axis=1))
+    if non_positive.size:
+        row = int(non_positive[0])
+        raise ValueError(f"build_metadata: grid_thw row {row} = {tuple(grid[row].tolist())} must be positive")
+    misaligned = np.flatnonzero((grid[:, 1:] % merge != 0).any(axis=1))
+    if misaligned.size:
+        row = int(misaligned[0])
+        raise ValueError(
+            f"build_metadata: grid_thw row {row} = {tuple(grid[row].tolist())}: h and w must be divisible "
+            f"by spatial_merge_size {merge}"
+        )
+    # float64 products cannot overflow and are exact near the limit, unlike int64 ones on absurd rows.
+    total = float(np.prod(grid, axis=1, dtype=np.float64).sum())
+    if total >= _INT32_LIMIT:
+        raise ValueError(
+            f"build_metadata: grid_thw holds {total:.0f} patches; qvl indexes tokens with int32, so a "
+            f"batch must hold fewer than 2**31"
+        )
+
+
+def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear align-corners taps ``(n, 2)`` and weights ``(n, 2)`` along one axis.
+
+    Each fp32 operation mirrors transformers' ``_interpolation_axis_taps_weights`` one for one
+    (IEEE fp32 ops round identically in numpy and torch), which is what makes the weights
+    bit-identical: ``src = index * (side - 1) / max(size - 1, 1)``, then weights
+    ``max(1 - |src - floor - k|, 0)`` for k = 0, 1.
+    """
+    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    floor = np.floor(src)
+    frac = src - floor
+    weights = np.stack(
+        [np.maximum(np.float32(1) - frac, 0), np.maximum(np.float32(1) - np.abs(frac - np.float32(1)), 0)],
+        axis=1,
+    )
+    base = floor.astype(np.int64)
+    taps = np.clip(np.stack([base, base + 1], axis=1), 0, side - 1)
+    return taps, weights
+
+
+def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int):
+    """Positions, interpolation indices and weights for one frame of each (h, w), concatenated."""
+    frame_sizes = heights * widths
+    owner = np.repeat(np.arange(frame_sizes.size), frame_sizes)
+    starts = np.cumsum(frame_sizes) - frame_sizes
+    within = np.arange(owner.size, dtype=np.int64) - starts[owner]
+    frame_h, frame_w = heights[owner], widths[owner]
+
+    # Merge-block order: the flat index within a frame decodes as (block_row, block_col, in_row, in_col).
+    in_col = within % merge
+    in_row = (within // merge) % merge
+    block = within // (merge * merge)
+    blocks_w = frame_w // merge
+    row = (block // blocks_w) * merge + in_row
+    col = (block % blocks_w) * merge + in_col
+
+    h_taps, h_weights = _axis_taps(row, frame_h, side)
+    w_taps, w_weights = _axis_taps(col, frame_w, side)
+    # Tap order (h0, w0), (h0, w1), (h1, w0), (h1, w1): the outer product transformers flattens.
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    positions = np.stack([row, col], axis=1)
+    return positions.astype(np.int32), indices.astype(np.int32), weights
+
+
+def build_metadata(
+    grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
+    spatial_merge_size: int = 2,
+    num_grid_per_side: int = 48,
+    device: torch.device | str | None = None,
+) -> VisionMetadata:
+    """Build the metadata of one vision-tower batch on the host and move it to ``device`` once.
+
+    Args:
+        grid_thw: ``(N, 3)`` (t, h, w) patch counts per image/video: a CPU integer tensor, a numpy array
+            or a list of triples. ``N = 0`` is a valid empty batch. A tensor on any other device is
+            rejected (reading it would sync). h and w must be divisible by ``spatial_merge_size``.
+        spatial_merge_size: merge block side (2 in every released Qwen3-VL).
+        num_grid_per_side: side of the learned position grid (``sqrt(num_position_embeddings)``, 48).
+        device: where the tensors go (default CPU). CUDA copies are staged in pinned memory and issued
+            non-blocking on the current stream, so work queued after them on that stream sees them.
+
+    Returns a :class:`VisionMetadata`. Raises ValueError/TypeError naming the offending argument (and
+    for grid_thw the offending row).
+    """
+    merge = _check_positive_int("spatial_merge_size", spatial_merge_size)
+    side = _check_positive_int("num_grid_per_side", num_grid_per_side)
+    if side * side >= _INT32_LIMIT:
+        raise ValueError(f"build_metadata: num_grid_per_side {side} gives a table too large for int32 indices")
+    grid = _grid_as_numpy(grid_thw)
+    _check_grid(grid, merge)
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    temporal, heights, widths = grid[:, 0], grid[:, 1], grid[:, 2]
+    frame_sizes = heights * widths
+    token_counts = temporal * frame_sizes
+
+    # Frames of equal (h, w) share one plan: compute each distinct shape's frame once, then gather it
+    # into every temporal slice of every entry that has that shape (videos and same-size image batches
+    # cost one frame's arithmetic, plus the copy).
+    shape_keys = heights * (int(widths.max(initial=0)) + 1) + widths
+    unique_keys, first, shape_of_entry = np.unique(shape_keys, return_index=True, return_inverse=True)
+    shape_of_entry = shape_of_entry.reshape(-1)
+    unique_h, unique_w = heights[first], widths[first]
+    plan_positions, plan_indices, plan_weights = _frame_plans(unique_h, unique_w, merge, side)
+    plan_starts = np.cumsum(unique_h * unique_w) - unique_h * unique_w
+
+    slice_shape = np.repeat(shape_of_entry, temporal)
+    slice_sizes = frame_sizes[np.repeat(np.arange(grid.shape[0]), temporal)]
+    cu_seqlens = np.zeros(slice_sizes.size + 1, dtype=np.int64)
+    np.cumsum(slice_sizes, out=cu_seqlens[1:])
+    num_tokens = int(cu_seqlens[-1])
+    source_rows = np.repeat(plan_starts[slice_shape] - cu_seqlens[:-1], slice_sizes) + np.arange(num_tokens)
+
+    to_device = _device_mover(device)
+    return VisionMetadata(
+        grid_thw=torch.from_numpy(grid),
+        cu_seqlens=to_device(cu_seqlens.astype(np.int32)),
+        max_seqlen=int(frame_sizes.max(initial=0)),
+        positions=to_device(plan_positions[source_rows]),
+        interp_indices=to_device(plan_indices[source_rows]),
+        interp_weights=to_device(plan_weights[source_rows]),
+        spatial_merge_size=merge,
+        num_grid_per_side=side,
+        token_counts=tuple(token_counts.tolist()),
+        merged_token_counts=tuple((token_counts // (merge * merge)).tolist()),
+    )
+
+
+def _device_mover(device: torch.device):
+    """numpy array -> tensor on ``device``; CUDA copies go through pinned memory without blocking."""
+    if device.type == "cuda":
+        # The caching host allocator keeps each pinned buffer alive until its copy has completed, so
+        # the staging tensors may be dropped as soon as the copies are queued.
+        return lambda array: torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+    return lambda array: torch.from_numpy(array).to(device)
