@@ -1,0 +1,112 @@
+"""Loading a Qwen3-VL vision tower from a local checkpoint directory.
+
+A directory holds ``config.json`` (a full Qwen3-VL config with ``vision_config``, or a bare vision
+config) and safetensors weights: ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``. Tensor names are transformers': ``model.visual.*`` (current
+layout), ``visual.*`` (older full-model layout) or bare vision names. Only safetensors are read: a
+pickled checkpoint is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+__all__ = ["CheckpointError", "load_vision_checkpoint", "save_vision_checkpoint"]
+
+_PREFIXES = ("model.visual.", "visual.", "")
+_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be used; the message names the file."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from None
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / _INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        return [directory / name for name in dict.fromkeys(weight_map.values())]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights (pickled checkpoints are not loaded)")
+    return files
+
+
+def _tensor_names(file: Path) -> list[str]:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not found")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    except (OSError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"{file}: unreadable safetensors ({error})") from None
+
+
+def _is_text_weight(name: str) -> bool:
+    return name.startswith(("model.", "lm_head."))
+
+
+def _vision_prefix(names: list[str]) -> str:
+    for prefix in _PREFIXES:
+        if any(name.startswith(prefix + "patch_embed.") for name in names):
+            return prefix
+    return ""
+
+
+def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a checkpoint directory; returns ``(config dict, vision state dict with bare names)``.
+
+    Only the vision tower's tensors are read from the shards. Raises :class:`CheckpointError` naming
+    the file for a missing directory, a missing or unreadable config/index/shard, or a checkpoint
+    without vision weights.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    config = _read_json(directory / "config.json")
+    names_by_file = {file: _tensor_names(file) for file in _weight_files(directory)}
+    # Shards split the tower anywhere, so the naming layout is decided over all of them at once.
+    prefix = _vision_prefix([name for names in names_by_file.values() for name in names])
+    state_dict: dict[str, torch.Tensor] = {}
+    for file, names in names_by_file.items():
+        wanted = [name for name in names if name.startswith(prefix) and (prefix or not _is_text_weight(name))]
+        if not wanted:
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in wanted:
+                    state_dict[name[len(prefix) :]] = handle.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as error:
+            raise CheckpointError(f"{file}: unreadable safetensors ({error})") from None
+    if "patch_embed.proj.weight" not in state_dict:
+        raise CheckpointError(f"{directory}: no vision tower weights (expected model.visual.patch_embed.proj.weight)")
+    return config, state_dict
+
+
+def save_vision_checkpoint(path: str | os.PathLike, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write a vision-only checkpoint directory (config.json + model.safetensors, ``visual.*`` names)."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "config.json", "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2)
+    tensors = {f"visual.{name}": tensor.detach().contiguous().cpu() for name, tensor in state_dict.items()}
+    save_file(tensors, str(directory / "model.safetensors"))

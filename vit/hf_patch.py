@@ -1,0 +1,96 @@
+"""``qvl.vit.patch_model(model)``: run a transformers Qwen3-VL model's vision tower on qvl kernels.
+
+The patch replaces only the ``forward`` of the model's vision module instance with one that runs
+:func:`qvl.vit.model.tower_forward` over the module's *own* parameters. Nothing is copied or renamed,
+so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype casts keep working, and
+the weights stay where transformers put them.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from .metadata import build_metadata
+from .model import VisionConfig, tower_forward
+
+__all__ = ["patch_model", "is_patched", "SUPPORTED_MODELS"]
+
+SUPPORTED_MODELS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLModel",
+    "Qwen3VLVisionModel",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3VLMoeModel",
+    "Qwen3VLMoeVisionModel",
+)
+_VISION_MODELS = ("Qwen3VLVisionModel", "Qwen3VLMoeVisionModel")
+_MARK = "_qvl_patched"
+
+
+def _vision_module(model: nn.Module) -> nn.Module:
+    name = type(model).__name__
+    if name in _VISION_MODELS:
+        return model
+    if name in SUPPORTED_MODELS:
+        inner = getattr(model, "model", model)
+        visual = getattr(inner, "visual", None)
+        if visual is not None and type(visual).__name__ in _VISION_MODELS:
+            return visual
+    raise TypeError(f"patch_model: unsupported model {name}; supported: {', '.join(SUPPORTED_MODELS)}")
+
+
+def _qvl_vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+    """Drop-in for ``Qwen3VLVisionModel.forward`` on qvl kernels (same outputs).
+
+    ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed
+    metadata keyword arguments from transformers are ignored, as qvl builds its own.
+    """
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    config = VisionConfig.from_hf(self.config)
+    weight = self.pos_embed.weight
+    meta = build_metadata(
+        grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
+        spatial_merge_size=config.spatial_merge_size,
+        num_grid_per_side=config.num_grid_per_side,
+        device=weight.device,
+    )
+    last_hidden, merged, deepstack = tower_forward(
+        self,
+        hidden_states.to(weight.device),
+        meta.cu_seqlens,
+        meta.positions,
+        meta.interp_indices,
+        meta.interp_weights,
+        num_heads=config.num_heads,
+        rope_theta=config.rope_theta,
+        deepstack_visual_indexes=config.deepstack_visual_indexes,
+        spatial_merge_size=config.spatial_merge_size,
+    )
+    output = BaseModelOutputWithDeepstackFeatures(
+        last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
+    )
+    return output if kwargs.get("return_dict", True) else output.to_tuple()
+
+
+def patch_model(model: nn.Module) -> nn.Module:
+    """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
+
+    ``model``: a transformers ``Qwen3VLForConditionalGeneration``, ``Qwen3VLModel``, their MoE
+    variants, or a bare ``Qwen3VLVisionModel`` / ``Qwen3VLMoeVisionModel``. Anything else raises
+    TypeError. Patching twice is harmless.
+    """
+    visual = _vision_module(model)
+    if not getattr(visual, _MARK, False):
+        VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
+        visual.forward = types.MethodType(_qvl_vision_forward, visual)
+        setattr(visual, _MARK, True)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model``'s vision tower runs on qvl kernels."""
+    return bool(getattr(_vision_module(model), _MARK, False))

@@ -1,0 +1,373 @@
+"""The Qwen3-VL vision tower on qvl ops.
+
+:class:`VisionTransformer` holds its parameters under transformers' names and shapes
+(``patch_embed.proj``, ``pos_embed``, ``blocks.{i}.norm1`` / ``attn.qkv`` / ``attn.proj`` / ``norm2`` /
+``mlp.linear_fc1`` / ``mlp.linear_fc2``, ``merger``, ``deepstack_merger_list``), so a transformers
+vision state dict loads into it unchanged, and :func:`tower_forward` runs on either module tree: qvl's
+own tower or a transformers ``Qwen3VLVisionModel`` patched in place by :mod:`qvl.vit.hf_patch`.
+
+One forward: ``grid_thw`` -> host metadata (:mod:`qvl.vit.metadata`, once) -> device part
+(:func:`tower_forward`: patch embed as one matmul, position-embedding interpolation added in place,
+``depth`` blocks with fused rotary-in-attention and fused residual+LayerNorm, deepstack mergers, main
+merger). The device part reads nothing back to the host, which is what lets :meth:`VisionTransformer.compile`
+compile it once for every batch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
+from qvl.kernels.merger import patch_merger, vision_mlp
+
+from .metadata import VisionMetadata, build_metadata
+
+__all__ = ["VisionConfig", "VisionTransformer", "tower_forward"]
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The shape of a Qwen3-VL vision tower (defaults: Qwen3-VL-8B)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    num_heads: int = 16
+    intermediate_size: int = 4304
+    out_hidden_size: int = 4096
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        side = int(round(self.num_position_embeddings**0.5))
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise ValueError(f"VisionConfig: hidden_act must be 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise ValueError(f"VisionConfig: deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth")
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return int(round(self.num_position_embeddings**0.5))
+
+    @classmethod
+    def from_hf(cls, config: object) -> VisionConfig:
+        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, or a full model config)."""
+        config = getattr(config, "vision_config", config)
+        rope = getattr(config, "rope_parameters", None) or {}
+        return cls(
+            depth=config.depth,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            intermediate_size=config.intermediate_size,
+            out_hidden_size=config.out_hidden_size,
+            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
+            patch_size=config.patch_size,
+            temporal_patch_size=config.temporal_patch_size,
+            spatial_merge_size=config.spatial_merge_size,
+            in_channels=config.in_channels,
+            num_position_embeddings=config.num_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            hidden_act=config.hidden_act,
+        )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> VisionConfig:
+        """From a config.json dict: a full Qwen3-VL config (its ``vision_config``) or a vision config."""
+        values = values.get("vision_config", values)
+        rope = values.get("rope_parameters") or {}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in fields}
+        if "deepstack_visual_indexes" in kwargs:
+            kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = float(rope["rope_theta"])
+        return cls(**kwargs)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, qkv_out: int, proj_in: int):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, qkv_out)
+        self.proj = nn.Linear(proj_in, hidden)
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, intermediate)
+        self.linear_fc2 = nn.Linear(intermediate, hidden)
+
+
+class _Block(nn.Module):
+    def __init__(self, config: VisionConfig, num_local_heads: int, local_intermediate: int, eps: float):
+        super().__init__()
+        local_width = num_local_heads * config.head_dim
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = _Attention(config.hidden_size, 3 * local_width, local_width)
+        self.mlp = _MLP(config.hidden_size, local_intermediate)
+
+
+class _Merger(nn.Module):
+    def __init__(self, config: VisionConfig, postshuffle_norm: bool, local_merged_width: int, eps: float):
+        super().__init__()
+        merged_width = config.hidden_size * config.spatial_merge_size**2
+        self.norm = nn.LayerNorm(merged_width if postshuffle_norm else config.hidden_size, eps=eps)
+        self.linear_fc1 = nn.Linear(merged_width, local_merged_width)
+        self.linear_fc2 = nn.Linear(local_merged_width, config.out_hidden_size)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+
+def tower_forward(
+    tower: nn.Module,
+    pixel_values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    interp_indices: torch.Tensor,
+    interp_weights: torch.Tensor,
+    *,
+    num_heads: int,
+    rope_theta: float,
+    deepstack_visual_indexes: Sequence[int],
+    spatial_merge_size: int,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The device part of the tower's forward over a module tree with transformers' names.
+
+    Args:
+        tower: qvl's :class:`VisionTransformer` or a transformers ``Qwen3VLVisionModel``.
+        pixel_values: ``(T, in_channels * temporal_patch_size * patch_size**2)`` patches in merge-block
+            order (the processor's output).
+        cu_seqlens, positions, interp_indices, interp_weights: from :func:`build_metadata`, on the device.
+        num_heads: heads held by this module tree (all of them, or this rank's share under tensor
+            parallelism, where ``all_reduce`` sums the row-parallel partial products over the ranks).
+
+    Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden), deepstack list)``.
+    """
+    proj = tower.patch_embed.proj
+    weight = proj.weight
+    x = F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), proj.bias)
+    torch.ops.qvl.pos_embed_interp_add_(x, tower.pos_embed.weight, interp_indices, interp_weights)
+
+    num_tokens = x.shape[0]
+    blocks = tower.blocks
+    first = blocks[0].norm1
+    h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
+    deepstack = []
+    for index, block in enumerate(blocks):
+        attn = block.attn
+        qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+        q, k, v = qkv.view(num_tokens, 3, num_heads, -1).unbind(1)
+        a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
+        a = _output_projection(a.view(num_tokens, -1), attn.proj.weight, attn.proj.bias, all_reduce)
+        x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+        mlp = block.mlp
+        m = vision_mlp(
+            h, mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias, all_reduce
+        )
+        if index + 1 < len(blocks):
+            norm = blocks[index + 1].norm1
+            x, h = torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
+        else:
+            x = x + m
+        if index in deepstack_visual_indexes:
+            merger = tower.deepstack_merger_list[list(deepstack_visual_indexes).index(index)]
+            deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce))
+    merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce)
+    return x, merged, deepstack
+
+
+def _output_projection(a, weight, bias, all_reduce: AllReduce | None) -> torch.Tensor:
+    if all_reduce is None:
+        return F.linear(a, weight, bias)
+    return all_reduce(F.linear(a, weight)) + bias
+
+
+def _merge(merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce) -> torch.Tensor:
+    return patch_merger(
+        x,
+        merger.norm.weight,
+        merger.norm.bias,
+        merger.linear_fc1.weight,
+        merger.linear_fc1.bias,
+        merger.linear_fc2.weight,
+        merger.linear_fc2.bias,
+        spatial_merge_size=spatial_merge_size,
+        postshuffle_norm=postshuffle_norm,
+        eps=merger.norm.eps,
+        all_reduce=all_reduce,
+    )
+
+
+class VisionTransformer(nn.Module):
+    """A Qwen3-VL vision encoder on qvl kernels.
+
+    ``tower(pixel_values, grid_thw)`` returns ``(merged, deepstack)``: the main merger's output
+    ``(sum(t*h*w) / m^2, out_hidden_size)`` and the list of deepstack mergers' outputs of the same
+    shape, equal to transformers' ``pooler_output`` and ``deepstack_features``.
+
+    Build it from a :class:`VisionConfig`, from a transformers vision module (:meth:`from_hf`, which
+    copies its weights), or from a local checkpoint directory (:meth:`from_pretrained`).
+    """
+
+    def __init__(self, config: VisionConfig, *, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.config = config
+        self.num_local_heads = config.num_heads
+        self._all_reduce: AllReduce | None = None
+        self._compiled_forward = None
+        self._build(config.num_heads, config.intermediate_size, config.hidden_size * config.spatial_merge_size**2)
+        if dtype is not None or device is not None:
+            self.to(dtype=dtype, device=device)
+
+    def _build(self, num_local_heads: int, local_intermediate: int, local_merged_width: int) -> None:
+        """(Re)create the parameters for this rank's share of heads and MLP / merger widths."""
+        config, eps = self.config, self.config.layer_norm_eps
+        self.num_local_heads = num_local_heads
+        self.patch_embed = _PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(
+            _Block(config, num_local_heads, local_intermediate, eps) for _ in range(config.depth)
+        )
+        self.merger = _Merger(config, False, local_merged_width, eps)
+        self.deepstack_merger_list = nn.ModuleList(
+            _Merger(config, True, local_merged_width, eps) for _ in config.deepstack_visual_indexes
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pos_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pos_embed.weight.device
+
+    def init_random_weights(self, seed: int = 0) -> VisionTransformer:
+        """Deterministic random weights (for tests, benchmarks and the embedded default model)."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
+                    values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+                elif name.endswith("bias"):
+                    values = 0.02 * torch.randn(param.shape, generator=generator)
+                else:
+                    fan_in = param[0].numel() if param.dim() > 1 else 1
+                    values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
+                param.copy_(values.to(param.dtype))
+        return self
+
+    @classmethod
+    def from_hf(cls, vision_module: nn.Module, **kwargs) -> VisionTransformer:
+        """A tower with a copy of a transformers ``Qwen3VLVisionModel``'s (or MoE variant's) weights."""
+        config = VisionConfig.from_hf(vision_module.config)
+        weight = vision_module.pos_embed.weight
+        tower = cls(config, dtype=weight.dtype, device=weight.device, **kwargs)
+        tower.load_full_state_dict(vision_module.state_dict())
+        return tower
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> VisionTransformer:
+        """Load from a local checkpoint directory (config.json + safetensors, transformers' names)."""
+        from .checkpoint import load_vision_checkpoint
+
+        config, state_dict = load_vision_checkpoint(path)
+        dtype = dtype or next(iter(state_dict.values())).dtype
+        tower = cls(VisionConfig.from_dict(config), dtype=dtype, device=device, **kwargs)
+        tower.load_full_state_dict(state_dict)
+        return tower
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored."""
+        own = self.state_dict()
+        missing = [name for name in own if name not in state_dict]
+        if missing:
+            raise ValueError(f"VisionTransformer: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, target in own.items():
+                source = state_dict[name]
+                if source.shape != target.shape:
+                    raise ValueError(
+                        f"VisionTransformer: {name} has shape {tuple(source.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+
+    def metadata(self, grid_thw) -> VisionMetadata:
+        """Host-side metadata of a batch, on this tower's device."""
+        return build_metadata(
+            grid_thw,
+            spatial_merge_size=self.config.spatial_merge_size,
+            num_grid_per_side=self.config.num_grid_per_side,
+            device=self.device,
+        )
+
+    def encode(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The device part for a batch whose metadata is already built."""
+        expected = (meta.num_tokens, self.patch_embed.proj.weight[0].numel())
+        if tuple(pixel_values.shape) != expected:
+            raise ValueError(f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
+        if meta.num_tokens == 0:
+            empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
+            return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
+        forward = self._compiled_forward or self._device_forward
+        return forward(
+            pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights
+        )
+
+    def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
+        _, merged, deepstack = tower_forward(
+            self,
+            pixel_values,
+            cu_seqlens,
+            positions,
+            interp_indices,
+            interp_weights,
+            num_heads=self.num_local_heads,
+            rope_theta=self.config.rope_theta,
+            deepstack_visual_indexes=self.config.deepstack_visual_indexes,
+            spatial_merge_size=self.config.spatial_merge_size,
+            all_reduce=self._all_reduce,
+        )
+        return merged, deepstack
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
+        return self.encode(pixel_values, self.metadata(grid_thw))
+
+    def compile(self, **compile_kwargs) -> VisionTransformer:
+        """Compile the device part of the forward (not the host metadata) with the token dim dynamic.
+
+        After the first call, batches with other image counts, sizes and videos reuse the compiled code.
+        Extra keyword arguments go to ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
+        """
+        options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
+        self._compiled_forward = torch.compile(self._device_forward, **options)
+        return self
