@@ -7,21 +7,31 @@ pos_embed_interp_add_), ``merger`` (layer_norm, add_layer_norm, bias_gelu, bias_
 patch_merger / vision_mlp compositions); ``common`` chooses the path each call takes.
 """
 
-from .attention import MAX_HEAD_DIM, vision_attn, vision_attn_reference
-from .common import backend_for, force_backend, set_value_checks
-from .merger import (
-    add_layer_norm,
-    add_layer_norm_reference,
-    bias_gelu,
-    bias_gelu_,
-    bias_gelu_reference,
-    layer_norm,
-    layer_norm_reference,
-    patch_merger,
-    vision_mlp,
-)
-from .pos_embed import pos_embed_interp, pos_embed_interp_add_, pos_embed_interp_reference
-from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
+import sys as _sys
+
+if __name__ != "qvl.kernels":
+    # Imported as a top-level "kernels" because the repository root is on sys.path (transformers probes
+    # for Hugging Face's "kernels" package by importing it). A second copy would register the ops again
+    # with its own backend state, so this name gets the one qvl.kernels instead.
+    import qvl.kernels as _qvl_kernels
+
+    _sys.modules[__name__] = _qvl_kernels
+else:
+    from .attention import MAX_HEAD_DIM, vision_attn, vision_attn_reference
+    from .common import backend_for, force_backend, set_value_checks
+    from .merger import (
+        add_layer_norm,
+        add_layer_norm_reference,
+        bias_gelu,
+        bias_gelu_,
+        bias_gelu_reference,
+        layer_norm,
+        layer_norm_reference,
+        patch_merger,
+        vision_mlp,
+    )
+    from .pos_embed import pos_embed_interp, pos_embed_interp_add_, pos_embed_interp_reference
+    from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
 
 __all__ = [
     "MAX_HEAD_DIM",

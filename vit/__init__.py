@@ -1,1 +1,15 @@
-"""y"""
+"""qvl.vit: the Qwen3-VL vision tower on qvl kernels, its metadata, checkpoints and the transformers patch."""
+
+from .hf_patch import is_patched, patch_model
+from .metadata import VisionMetadata, build_metadata
+from .model import VisionConfig, VisionTransformer, tower_forward
+
+__all__ = [
+    "VisionConfig",
+    "VisionMetadata",
+    "VisionTransformer",
+    "build_metadata",
+    "is_patched",
+    "patch_model",
+    "tower_forward",
+]

@@ -27,6 +27,7 @@ __all__ = ["VisionMetadata", "build_metadata"]
 
 # Token counts, segment offsets, positions and table indices all travel as int32.
 _INT32_LIMIT = 2**31
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,8 +147,8 @@ def _check_grid(grid: np.ndarray, merge: int) -> None:
         )
 
 
-def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bilinear align-corners taps ``(n, 2)`` and weights ``(n, 2)`` along one axis.
+def _axis_taps(index: np.ndarray, size: np.ndarray, side: int):
+    """Bilinear align-corners taps ``(tap0, tap1)`` and weights ``(w0, w1)`` along one axis.
 
     Each fp32 operation mirrors transformers' ``_interpolation_axis_taps_weights`` one for one
     (IEEE fp32 ops round identically in numpy and torch), which is what makes the weights
@@ -157,38 +158,44 @@ def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarr
     src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
     floor = np.floor(src)
     frac = src - floor
-    weights = np.stack(
-        [np.maximum(np.float32(1) - frac, 0), np.maximum(np.float32(1) - np.abs(frac - np.float32(1)), 0)],
-        axis=1,
-    )
-    base = floor.astype(np.int64)
-    taps = np.clip(np.stack([base, base + 1], axis=1), 0, side - 1)
+    weights = (np.maximum(np.float32(1) - frac, 0), np.maximum(np.float32(1) - np.abs(frac - np.float32(1)), 0))
+    base = floor.astype(np.int32)  # src >= 0, so only the upper clamp can bite
+    taps = (np.minimum(base, side - 1), np.minimum(base + 1, side - 1))
     return taps, weights
 
 
 def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int):
-    """Positions, interpolation indices and weights for one frame of each (h, w), concatenated."""
+    """Positions ``(R, 2)``, interpolation indices ``(R, 4)`` and weights ``(R, 4)`` for one frame of
+    each (h, w), concatenated (R = sum h * w).
+
+    Works in int32 (every value fits, see ``_check_grid``): numpy divides int32 several times faster.
+    Columns are written one by one because numpy broadcasts over a length-2 inner axis slowly.
+    """
+    heights, widths = heights.astype(np.int32), widths.astype(np.int32)
     frame_sizes = heights * widths
-    owner = np.repeat(np.arange(frame_sizes.size), frame_sizes)
-    starts = np.cumsum(frame_sizes) - frame_sizes
-    within = np.arange(owner.size, dtype=np.int64) - starts[owner]
+    owner = np.repeat(np.arange(frame_sizes.size, dtype=np.int32), frame_sizes)
+    starts = np.cumsum(frame_sizes, dtype=np.int32) - frame_sizes
+    within = np.arange(owner.size, dtype=np.int32) - starts[owner]
     frame_h, frame_w = heights[owner], widths[owner]
 
     # Merge-block order: the flat index within a frame decodes as (block_row, block_col, in_row, in_col).
-    in_col = within % merge
-    in_row = (within // merge) % merge
-    block = within // (merge * merge)
-    blocks_w = frame_w // merge
-    row = (block // blocks_w) * merge + in_row
-    col = (block % blocks_w) * merge + in_col
+    block, in_block = np.divmod(within, merge * merge)
+    in_row, in_col = np.divmod(in_block, merge)
+    block_row, block_col = np.divmod(block, frame_w // merge)
+    row = block_row * merge + in_row
+    col = block_col * merge + in_col
+    positions = np.empty((owner.size, 2), dtype=np.int32)
+    positions[:, 0], positions[:, 1] = row, col
 
     h_taps, h_weights = _axis_taps(row, frame_h, side)
     w_taps, w_weights = _axis_taps(col, frame_w, side)
+    indices = np.empty((owner.size, 4), dtype=np.int32)
+    weights = np.empty((owner.size, 4), dtype=np.float32)
     # Tap order (h0, w0), (h0, w1), (h1, w0), (h1, w1): the outer product transformers flattens.
-    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
-    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
-    positions = np.stack([row, col], axis=1)
-    return positions.astype(np.int32), indices.astype(np.int32), weights
+    for tap, (i, j) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+        indices[:, tap] = h_taps[i] * side + w_taps[j]
+        weights[:, tap] = h_weights[i] * w_weights[j]
+    return positions, indices, weights
 
 
 def build_metadata(
@@ -227,38 +234,44 @@ def build_metadata(
     # into every temporal slice of every entry that has that shape (videos and same-size image batches
     # cost one frame's arithmetic, plus the copy).
     shape_keys = heights * (int(widths.max(initial=0)) + 1) + widths
-    unique_keys, first, shape_of_entry = np.unique(shape_keys, return_index=True, return_inverse=True)
-    shape_of_entry = shape_of_entry.reshape(-1)
-    unique_h, unique_w = heights[first], widths[first]
-    plan_positions, plan_indices, plan_weights = _frame_plans(unique_h, unique_w, merge, side)
-    plan_starts = np.cumsum(unique_h * unique_w) - unique_h * unique_w
+    _, first, shape_of_entry = np.unique(shape_keys, return_index=True, return_inverse=True)
+    unique_sizes = frame_sizes[first]
+    plans = _frame_plans(heights[first], widths[first], merge, side)
+    plan_starts = np.cumsum(unique_sizes) - unique_sizes
 
-    slice_shape = np.repeat(shape_of_entry, temporal)
-    slice_sizes = frame_sizes[np.repeat(np.arange(grid.shape[0]), temporal)]
-    cu_seqlens = np.zeros(slice_sizes.size + 1, dtype=np.int64)
+    slice_shape = np.repeat(shape_of_entry.reshape(-1), temporal)
+    slice_sizes = unique_sizes[slice_shape]
+    cu_seqlens = np.zeros(slice_sizes.size + 1, dtype=np.int32)
     np.cumsum(slice_sizes, out=cu_seqlens[1:])
     num_tokens = int(cu_seqlens[-1])
     source_rows = np.repeat(plan_starts[slice_shape] - cu_seqlens[:-1], slice_sizes) + np.arange(num_tokens)
 
-    to_device = _device_mover(device)
+    positions, interp_indices, interp_weights = (_gather_to(plan, source_rows, device) for plan in plans)
     return VisionMetadata(
         grid_thw=torch.from_numpy(grid),
-        cu_seqlens=to_device(cu_seqlens.astype(np.int32)),
+        cu_seqlens=_to_device(torch.from_numpy(cu_seqlens), device),
         max_seqlen=int(frame_sizes.max(initial=0)),
-        positions=to_device(plan_positions[source_rows]),
-        interp_indices=to_device(plan_indices[source_rows]),
-        interp_weights=to_device(plan_weights[source_rows]),
+        positions=positions,
+        interp_indices=interp_indices,
+        interp_weights=interp_weights,
         spatial_merge_size=merge,
         num_grid_per_side=side,
         token_counts=tuple(token_counts.tolist()),
         merged_token_counts=tuple((token_counts // (merge * merge)).tolist()),
     )
 
+def _gather_to(plan: np.ndarray, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``plan[rows]`` as a tensor on ``device``, gathered straight into the (for CUDA, pinned) staging
+    tensor. np.take copies whole rows where 2-D fancy indexing is several times slower, and
+    ``mode="clip"`` (the rows are in range by construction) lets it write into ``out`` unbuffered."""
+    staged = torch.empty(rows.size, plan.shape[1], dtype=_TORCH_DTYPES[plan.dtype], pin_memory=device.type == "cuda")
+    np.take(plan, rows, axis=0, out=staged.numpy(), mode="clip")
+    return _to_device(staged, device)
 
-def _device_mover(device: torch.device):
-    """numpy array -> tensor on ``device``; CUDA copies go through pinned memory without blocking."""
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
-        # The caching host allocator keeps each pinned buffer alive until its copy has completed, so
-        # the staging tensors may be dropped as soon as the copies are queued.
-        return lambda array: torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
-    return lambda array: torch.from_numpy(array).to(device)
+        # Pinned source, so the copy runs asynchronously; the caching host allocator keeps the staging
+        # buffer alive until the copy has completed, so it may be dropped as soon as it is queued.
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +27,7 @@ import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.merger import patch_merger, vision_mlp
 
 from .metadata import VisionMetadata, build_metadata
+from .parallel import make_parallel
 
 __all__ = ["VisionConfig", "VisionTransformer", "tower_forward"]
 
@@ -236,15 +238,31 @@ class VisionTransformer(nn.Module):
 
     Build it from a :class:`VisionConfig`, from a transformers vision module (:meth:`from_hf`, which
     copies its weights), or from a local checkpoint directory (:meth:`from_pretrained`).
+
+    ``parallel="weights"`` or ``"data"`` (all three constructors) runs one tower over the processes of
+    ``group`` (default: the world), each rank calling it with the same batch and getting the whole
+    batch's outputs; see :mod:`qvl.vit.parallel`. ``None``: a single-process tower.
     """
 
-    def __init__(self, config: VisionConfig, *, dtype: torch.dtype | None = None, device=None):
+    def __init__(
+        self,
+        config: VisionConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device=None,
+        parallel: str | None = None,
+        group=None,
+    ):
         super().__init__()
         self.config = config
         self.num_local_heads = config.num_heads
         self._all_reduce: AllReduce | None = None
         self._compiled_forward = None
-        self._build(config.num_heads, config.intermediate_size, config.hidden_size * config.spatial_merge_size**2)
+        self._parallel = make_parallel(parallel, config, group)
+        if self._parallel is None:
+            self._build(config.num_heads, config.intermediate_size, config.hidden_size * config.spatial_merge_size**2)
+        else:
+            self._parallel.build(self)
         if dtype is not None or device is not None:
             self.to(dtype=dtype, device=device)
 
@@ -308,6 +326,8 @@ class VisionTransformer(nn.Module):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored."""
         own = self.state_dict()
+        if self._parallel is not None:
+            state_dict = self._parallel.local_state_dict(state_dict, {name: t.shape for name, t in own.items()})
         missing = [name for name in own if name not in state_dict]
         if missing:
             raise ValueError(f"VisionTransformer: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
@@ -330,17 +350,29 @@ class VisionTransformer(nn.Module):
         )
 
     def encode(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The device part for a batch whose metadata is already built."""
+        """The device part for a batch whose metadata is already built (in data mode only ``meta.grid_thw``
+        is used: each rank builds its own share's metadata)."""
+        if self._parallel is not None:
+            return self._parallel.encode(self, pixel_values, meta)
+        return self._encode_local(pixel_values, meta)
+
+    def _encode_local(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode`` of this process's own batch, without checking that other ranks agree on it."""
         expected = (meta.num_tokens, self.patch_embed.proj.weight[0].numel())
         if tuple(pixel_values.shape) != expected:
             raise ValueError(f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
         if meta.num_tokens == 0:
             empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
             return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
-        forward = self._compiled_forward or self._device_forward
-        return forward(
-            pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights
-        )
+        args = (pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights)
+        if self._compiled_forward is None:
+            return self._device_forward(*args)
+        for tensor in args:
+            torch._dynamo.mark_dynamic(tensor, 0)
+        # Size-oblivious tracing keeps token counts of 1 (one 2x2 image has one merged token) from
+        # being specialized, so no batch shape ever triggers a recompile.
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return self._compiled_forward(*args)
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
         _, merged, deepstack = tower_forward(
@@ -360,6 +392,8 @@ class VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
+        if self._parallel is not None:
+            return self._parallel.forward(self, pixel_values, grid_thw)
         return self.encode(pixel_values, self.metadata(grid_thw))
 
     def compile(self, **compile_kwargs) -> VisionTransformer:

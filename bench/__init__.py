@@ -1,0 +1,6 @@
+"""qvl's benchmarks: plain modules run from the repository root as ``python -m bench.<module>``.
+
+``harness`` holds what every benchmark shares (device and peaks, timing, counting, reports);
+``workloads`` the Qwen3-VL shapes; one ``bench_<kernel>`` module per kernel family compares qvl's op
+with what a user would pick instead. ``microbench.py`` exposes the same cases to pytest-benchmark.
+"""

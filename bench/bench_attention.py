@@ -1,0 +1,221 @@
+"""Attention over packed image patches: qvl's ``vision_attn`` against what a user would pick instead.
+
+Peers, each skipped with its reason where it cannot run: torch's ``varlen_attn`` (PyTorch's own
+FlashAttention), ``flex_attention`` compiled with a per-image block mask, SDPA called once per image
+(transformers' path when flash-attn is absent), and flash-attn's ``flash_attn_varlen_func``. qvl also
+runs with its fused rotary (``positions=``) to show what fusing rope into attention costs.
+
+    python -m bench.bench_attention [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
+
+Rates are useful TFLOP/s, 4*H*D*sum(S_i^2) / time at the true head dim. On a CPU only the torch paths
+run, on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
+
+from . import harness
+from .harness import Device, Report, RunConfig
+from .workloads import MIXED_8, MIXED_TINY, MODELS, Grid, VisionDims, cu_seqlens, label, positions, seqlens, square
+
+
+@dataclass(frozen=True)
+class Case:
+    dims: VisionDims
+    grids: tuple[Grid, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.dims.name} {label(self.grids)}"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    q: torch.Tensor  # (T, H, D)
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    seqlens: tuple[int, ...]
+
+
+# An implementation binds one input set to a zero-argument call returning the (T, H, D) output (or a
+# view of that shape): binding does what a tower does once per batch, the call what it does per block.
+Bind = Callable[[Inputs], Callable[[], torch.Tensor]]
+
+
+def cases(device: Device, quick: bool) -> list[Case]:
+    if not device.is_cuda:
+        return [Case(MODELS["8B"], square(64)), Case(MODELS["8B"], MIXED_TINY), Case(MODELS["2B"], square(64))]
+    sizes = (1024, 4096) if quick else (256, 1024, 4096, 16384)
+    grids = [*(square(s) for s in sizes), MIXED_8]
+    return [Case(MODELS[m], g) for m in (("8B",) if quick else ("8B", "2B")) for g in grids]
+
+
+def make_inputs(case: Case, device: Device, dtype: torch.dtype, count: int = 1, seed: int = 0) -> list[Inputs]:
+    """``count`` input sets of random q, k, v sharing one batch layout."""
+    dev = device.torch_device
+    lengths = tuple(seqlens(case.grids))
+    cu, pos = cu_seqlens(case.grids, dev), positions(case.grids, dev)
+    shape = (sum(lengths), case.dims.num_heads, case.dims.head_dim)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        q, k, v = (torch.randn(shape, generator=gen, device=dev, dtype=dtype) for _ in range(3))
+        sets.append(Inputs(q, k, v, cu, max(lengths), pos, lengths))
+    return sets
+
+
+def set_bytes(case: Case, dtype: torch.dtype) -> int:
+    return 3 * sum(seqlens(case.grids)) * case.dims.num_heads * case.dims.head_dim * dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------------
+def qvl_attn(device: Device, rope: bool = False) -> Bind:
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        pos = x.positions if rope else None
+
+        def call() -> torch.Tensor:
+            with harness.qvl_path(device):
+                return torch.ops.qvl.vision_attn(x.q, x.k, x.v, x.cu_seqlens, x.max_seqlen, positions=pos)
+
+        return call
+
+    return bind
+
+
+def varlen_attn(device: Device) -> Bind:
+    harness.require_cuda(device)
+    from torch.nn.attention.varlen import varlen_attn as op
+
+    # Positional arguments only: the keyword set changed between torch releases, the default scale is D**-0.5.
+    return lambda x: lambda: op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
+
+
+def flash_attn_varlen(device: Device) -> Bind:
+    harness.require_cuda(device)
+    from flash_attn import flash_attn_varlen_func as op
+
+    return lambda x: lambda: op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
+
+
+def flex_attention(device: Device) -> Bind:
+    harness.require_cuda(device)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as op
+
+    # Every case is a new static shape; past dynamo's recompile limit flex would fall back to its eager
+    # path, which materializes the scores.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiled = torch.compile(op, dynamic=False)
+    masks = {}
+
+    def block_mask(x: Inputs):
+        if x.seqlens not in masks:
+            dev = x.q.device
+            lengths = torch.tensor(x.seqlens, device=dev)
+            image = torch.repeat_interleave(torch.arange(len(x.seqlens), device=dev), lengths)
+            total = len(image)
+            masks[x.seqlens] = create_block_mask(
+                lambda b, h, q_idx, kv_idx: image[q_idx] == image[kv_idx], None, None, total, total, device=dev
+            )
+        return masks[x.seqlens]
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        mask = block_mask(x)  # built once per batch and shared by all blocks: outside the timed call
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (x.q, x.k, x.v))
+        return lambda: compiled(q, k, v, block_mask=mask)[0].transpose(0, 1)
+
+    return bind
+
+
+def sdpa_per_image(device: Device) -> Bind:
+    """transformers' vision attention without flash-attn: (1, H, T, D) views split per image, one SDPA
+    call each, the lengths read back to the host in every block."""
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (x.q, x.k, x.v))
+
+        def call() -> torch.Tensor:
+            lengths = (x.cu_seqlens[1:] - x.cu_seqlens[:-1]).tolist()
+            outs = [
+                F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).contiguous()
+                for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
+            ]
+            return torch.cat(outs, dim=1)[0]
+
+        return call
+
+    return bind
+
+
+PEERS: dict[str, Callable[[Device], Bind]] = {
+    "varlen_attn": varlen_attn,
+    "flex_attention": flex_attention,
+    "sdpa/image": sdpa_per_image,
+    "flash_attn": flash_attn_varlen,
+}
+BASELINES = ("varlen_attn", "sdpa/image")  # sdpa/image stands in where varlen_attn cannot run (CPU)
+
+
+def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind], dict[str, str]]:
+    trial = make_inputs(Case(MODELS["8B"], MIXED_TINY), device, dtype)[0]
+    return harness.peers({n: partial(build, device) for n, build in PEERS.items()}, lambda bind: bind(trial)())
+
+
+# --------------------------------------------------------------------------------------------------
+# Run
+# --------------------------------------------------------------------------------------------------
+def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device, dtype: torch.dtype) -> None:
+    sets = make_inputs(case, device, dtype, harness.rotation_count(set_bytes(case, dtype), device))
+    x = sets[0]
+    impls = {"qvl": qvl_attn(device), "qvl+rope": qvl_attn(device, rope=True), **peers}
+    ref = impls["qvl"](x)()
+    with harness.qvl_path(device):
+        q_rot, k_rot = torch.ops.qvl.rotary_2d(x.q, x.k, x.positions)
+    rope_ref = impls["qvl"](Inputs(q_rot, k_rot, x.v, x.cu_seqlens, x.max_seqlen, x.positions, x.seqlens))()
+
+    def check(name: str, call: Callable[[], torch.Tensor]) -> float | None:
+        if name == "qvl":
+            return None
+        return harness.max_rel_err(call().reshape(ref.shape), rope_ref if name == "qvl+rope" else ref)
+
+    flops = harness.attention_flops(case.dims.num_heads, case.dims.head_dim, x.seqlens)
+    calls = {name: [bind(s) for s in sets] for name, bind in impls.items()}
+    records = harness.check_then_time(report, case.name, flops, calls, check)
+    if "qvl" in records and "qvl+rope" in records:
+        overhead = 100 * (records["qvl+rope"].ms / records["qvl"].ms - 1)
+        records["qvl+rope"].note = f"fused rope {overhead:+.1f}% vs qvl"
+
+
+def benchmark(config: RunConfig) -> Report:
+    device, dtype = config.device, config.dtype
+    report = Report("attention", device, dtype, "flops", BASELINES)
+    peers, report.skipped = available_peers(device, dtype)
+    if "flash_attn" in peers:
+        report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
+    if "flex_attention" in peers:
+        report.notes.append("flex_attention: head dim padded to a power of two; block mask built outside the timing")
+    for case in cases(device, config.quick):
+        print(f"attention: {case.name}", flush=True)
+        run_case(report, case, peers, device, dtype)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> Report:
+    return harness.main(__doc__, benchmark, argv)
+
+
+if __name__ == "__main__":
+    main()

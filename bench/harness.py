@@ -1,0 +1,476 @@
+"""What every qvl benchmark shares: the device and its ceilings, timing, work counting, peer probing,
+agreement checks, and the report (a table printed last, a JSON file kept under ``bench/results``).
+
+A benchmark module builds its cases and the implementations to compare, checks each against qvl,
+times them with :func:`measure`, and hands the numbers to a :class:`Report`. CUDA timings come from
+``triton.testing.do_bench`` (device events, median). On CPU a wall-clock median stands in so that CI
+can exercise the code paths; those numbers say nothing about kernels and are flagged as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import torch
+import triton
+import triton.testing
+
+import qvl.kernels.common as qvl_common
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Largest max|out - ref| / max|ref| at which a peer still computes the same function as qvl. Both
+# sides round their inputs and probabilities to the working dtype, so the bound follows its epsilon.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-3}
+
+
+# --------------------------------------------------------------------------------------------------
+# Device and ceilings
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Peaks:
+    """Ceilings of one GPU model. Shares of peak use the measured ones: they are what a kernel can
+    reach on this hardware; the datasheet's numbers are kept in the JSON for context."""
+
+    matmul_tflops: float  # dense 16-bit matrix product on random data
+    copy_gbs: float  # device-to-device copy, bytes read plus bytes written
+    datasheet_tflops: float
+    datasheet_gbs: float
+    source: str
+
+
+# Keyed by a substring of torch.cuda.get_device_name(); an unlisted GPU gets no share-of-peak column
+# rather than a guess.
+PEAKS = {
+    "H200": Peaks(
+        matmul_tflops=790.0,
+        copy_gbs=4300.0,
+        datasheet_tflops=989.0,
+        datasheet_gbs=4800.0,
+        source="measured on this workplace's H200s: 8192^3 bf16 matmul 769-798 TFLOP/s, copy 4.3 TB/s",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    torch_device: torch.device
+    name: str
+    peaks: Peaks | None
+    l2_bytes: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.torch_device.type == "cuda"
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+
+    def peak(self, metric: str, dtype: torch.dtype) -> float | None:
+        """The ceiling a rate of ``metric`` ("flops" or "bytes") is measured against, in report units."""
+        if self.peaks is None:
+            return None
+        if metric == "bytes":
+            return self.peaks.copy_gbs
+        # The measured matmul ceiling is a 16-bit one; fp32 work runs on other units.
+        return self.peaks.matmul_tflops if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def get_device(requested: str = "auto") -> Device:
+    """``auto`` is the GPU unless there is none or Triton's interpreter is on (qvl then runs CPU tensors only)."""
+    auto_cuda = torch.cuda.is_available() and not qvl_common.triton_interpreting()
+    if not (requested == "cuda" or (requested == "auto" and auto_cuda)):
+        return Device(torch.device("cpu"), "cpu", None, 0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 * 2**20)
+    peaks = next((p for key, p in PEAKS.items() if key in name), None)
+    return Device(device, name, peaks, l2)
+
+
+def qvl_path(device: Device) -> contextlib.AbstractContextManager:
+    """Wrap each qvl call in this: on CPU it pins the pure-torch path, so a CPU run stays fast even in a
+    process where TRITON_INTERPRET=1 (the tests' setting) would send CPU tensors through the interpreter."""
+    stack = contextlib.ExitStack()
+    if not device.is_cuda:
+        for common in _qvl_common_copies():
+            stack.enter_context(common.force_backend("torch"))
+    return stack
+
+
+def _qvl_common_copies() -> list[ModuleType]:
+    """qvl's kernel runtime under each name it is loaded as. Run from the repository root, transformers'
+    probe for Hugging Face's ``kernels`` package imports qvl's kernels/ directory a second time as a
+    top-level ``kernels``; that copy's op registrations replace qvl.kernels' own and read their own
+    forced-backend state, so forcing must reach both."""
+    copies = [qvl_common]
+    shadow = sys.modules.get("kernels.common")
+    shadow_file = getattr(shadow, "__file__", None)
+    if shadow_file and Path(shadow_file).resolve() == Path(qvl_common.__file__).resolve():
+        copies.append(shadow)
+    return copies
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Timing:
+    ms: float  # median
+    ms_lo: float  # 20th percentile
+    ms_hi: float  # 80th percentile
+
+
+CPU_REPS = 5  # a CPU number only shows that the path runs: a few reps keep CI fast
+
+
+def rotation_count(set_bytes: int, device: Device, max_sets: int = 64) -> int:
+    """How many input sets to cycle through so a set has left L2 by the time it comes round again.
+
+    do_bench flushes L2 before each timed rep, but pytest-benchmark (``microbench.py``) and any
+    back-to-back loop do not; cycling sets whose sum is twice the L2 keeps every timer honest.
+    """
+    if not device.is_cuda or set_bytes >= device.l2_bytes:
+        return 1
+    return min(max_sets, math.ceil(2 * device.l2_bytes / max(set_bytes, 1)))
+
+
+def cycling(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
+    """One zero-argument callable that runs the next of ``calls`` each time (one per input set)."""
+    cycle = itertools.cycle(calls)
+    return lambda: next(cycle)()
+
+
+def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
+    """Time one call, cycling through ``calls``. The first call compiles/caches and is not timed."""
+    step = cycling(calls)
+    if device.is_cuda:
+        lo, med, hi = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        return Timing(med, lo, hi)
+    step()
+    times = []
+    for _ in range(CPU_REPS):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    cuts = statistics.quantiles(times, n=5)
+    return Timing(statistics.median(times), cuts[0], cuts[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Useful work and agreement
+# --------------------------------------------------------------------------------------------------
+def attention_flops(num_heads: int, head_dim: int, seqlens: Sequence[int]) -> float:
+    """Non-causal attention forward: QK^T and PV, 2 FLOPs per multiply-add, at the true head dim (a
+    kernel that pads 72 to 80 or 128 gets no credit for the padding)."""
+    return 4.0 * num_heads * head_dim * sum(s * s for s in seqlens)
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the tensors' elements: sum them once per read and once per write for a minimum traffic."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref| in fp32; NaN anywhere in ``out`` gives NaN."""
+    out32, ref32 = out.float(), ref.float()
+    scale = ref32.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+    return float((out32 - ref32).abs().max() / scale)
+
+
+def agrees(err: float, dtype: torch.dtype) -> bool:
+    return math.isfinite(err) and err <= TOLERANCE[dtype]
+
+
+# --------------------------------------------------------------------------------------------------
+# Peers
+# --------------------------------------------------------------------------------------------------
+class Unavailable(Exception):
+    """Raised by a peer's builder that cannot run here; the message is the reason shown to the user."""
+
+
+def require_cuda(device: Device) -> None:
+    if not device.is_cuda:
+        raise Unavailable("CPU run: torch paths only")
+
+
+T = TypeVar("T")
+
+
+def peers(
+    builders: Mapping[str, Callable[[], T]], trial: Callable[[T], object] | None = None
+) -> tuple[dict[str, T], dict[str, str]]:
+    """Build each peer and run ``trial`` on it once: returns (the peers that ran, {name: why not}).
+
+    Which peers exist depends on the device, the installed packages and their versions, so a failure
+    here is a reason to report, not an error.
+    """
+    ready: dict[str, T] = {}
+    skipped: dict[str, str] = {}
+    for name, build in builders.items():
+        try:
+            impl = build()
+            if trial is not None:
+                trial(impl)
+        except Exception as exc:  # noqa: BLE001 - whatever breaks, the peer is unusable here
+            skipped[name] = reason(exc)
+        else:
+            ready[name] = impl
+    return ready, skipped
+
+
+def reason(exc: Exception) -> str:
+    """One line saying why ``exc`` stopped an implementation, for the report's skipped list."""
+    if isinstance(exc, Unavailable):
+        return str(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def check_then_time(
+    report: Report,
+    case: str,
+    work: float,
+    calls: Mapping[str, Sequence[Callable[[], Any]]],
+    check: Callable[[str, Callable[[], Any]], float | None],
+) -> dict[str, Record]:
+    """Check every implementation of one case, then time those whose check ran.
+
+    ``calls[name]`` holds one call per rotating input set; ``check(name, calls[name][0])`` returns the
+    max relative error against qvl (None for qvl itself). All checks run before any timing, so an
+    in-place implementation's timing loop cannot corrupt the inputs another check reads. An
+    implementation whose check raises is listed as skipped for this case.
+    """
+    errors: dict[str, float | None] = {}
+    for name, impl_calls in calls.items():
+        try:
+            errors[name] = check(name, impl_calls[0])
+        except Exception as exc:  # noqa: BLE001 - a peer that fails on one shape is reported, not fatal
+            report.skipped[f"{name} ({case})"] = reason(exc)
+    timed = {}
+    for name, err in errors.items():
+        timed[name] = report.add(case, name, measure(calls[name], report.device), work, err)
+    return timed
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+METRICS = {"flops": ("TFLOP/s", 1e12), "bytes": ("GB/s", 1e9)}
+
+
+@dataclass
+class Record:
+    case: str
+    impl: str
+    ms: float
+    ms_lo: float
+    ms_hi: float
+    work: float  # useful FLOPs or minimum bytes of one call
+    rate: float  # work per second in `unit`
+    unit: str
+    share: float | None  # of the device's measured peak
+    max_rel_err: float | None  # against qvl's output; None for qvl itself
+    agrees: bool
+    note: str = ""
+    speedup: float | None = None  # baseline's time / this time, same case
+    baseline: str | None = None
+
+
+@dataclass
+class Report:
+    bench: str
+    device: Device
+    dtype: torch.dtype
+    metric: str  # "flops" or "bytes"
+    baselines: Sequence[str]  # speedups are against the first of these that ran in a case
+    records: list[Record] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # extra top-level JSON fields (peer versions)
+
+    def add(
+        self, case: str, impl: str, timing: Timing, work: float, err: float | None = None, note: str = ""
+    ) -> Record:
+        unit, scale = METRICS[self.metric]
+        rate = work / (timing.ms * 1e-3) / scale
+        peak = self.device.peak(self.metric, self.dtype)
+        record = Record(
+            case, impl, timing.ms, timing.ms_lo, timing.ms_hi, float(work), rate, unit,
+            share=rate / peak if peak else None,
+            max_rel_err=err,
+            agrees=err is None or agrees(err, self.dtype),
+            note=note,
+        )  # fmt: skip
+        self.records.append(record)
+        self._set_speedups(case)
+        return record
+
+    def _set_speedups(self, case: str) -> None:
+        rows = [r for r in self.records if r.case == case]
+        base = next((r for name in self.baselines for r in rows if r.impl == name), None)
+        for r in rows:
+            r.baseline = base.impl if base else None
+            r.speedup = base.ms / r.ms if base else None
+
+    def table(self) -> str:
+        unit = METRICS[self.metric][0]
+        show_share = any(r.share is not None for r in self.records)
+        header = ["case", "impl", "ms", unit] + (["% peak"] if show_share else []) + ["speedup", "max rel err", "note"]
+        rows = []
+        for r in self.records:
+            row = [r.case, r.impl, f"{r.ms:.4g}", f"{r.rate:.4g}"]
+            if show_share:
+                row.append("-" if r.share is None else f"{100 * r.share:.1f}")
+            row.append("-" if r.speedup is None else f"{r.speedup:.2f}x")
+            row.append("-" if r.max_rel_err is None else f"{r.max_rel_err:.1e}")
+            row.append(("DISAGREES " if not r.agrees else "") + r.note)
+            rows.append(row)
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [header, ["-" * w for w in widths], *rows]
+        return "\n".join(fmt.format(*line).rstrip() for line in lines)
+
+    def summary(self) -> str:
+        """Context first, table last (a device run's reply carries only the end of the output)."""
+        d = self.device
+        lines = [
+            f"{self.bench} | {d.name} | {str(self.dtype).removeprefix('torch.')} | "
+            f"torch {torch.__version__} | triton {triton.__version__}"
+        ]
+        if not d.is_cuda:
+            lines.append("CPU run: wall-clock times of the torch paths; meaningless for kernels")
+        if d.peaks is not None:
+            peak = d.peak(self.metric, self.dtype)
+            if peak is not None:
+                lines.append(f"% peak of {peak:g} {METRICS[self.metric][0]} ({d.peaks.source})")
+        lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        lines += self.notes
+        bases = sorted({r.baseline for r in self.records if r.baseline})
+        if bases:
+            lines.append(f"speedup = time of {' / '.join(bases)} in the same case / time")
+        lines.append("")
+        lines.append(self.table())
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.device
+        return _finite(
+            {
+                "bench": self.bench,
+                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "device": {"name": d.name, "type": d.torch_device.type, "l2_bytes": d.l2_bytes},
+                "peaks": asdict(d.peaks) if d.peaks else None,
+                "timings_meaningful": d.is_cuda,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "versions": _versions(),
+                "metric": self.metric,
+                "baselines": list(self.baselines),
+                "skipped": self.skipped,
+                "notes": self.notes,
+                **self.meta,
+                "records": [asdict(r) for r in self.records],
+            }
+        )
+
+    def save(self, path: Path | None = None) -> Path:
+        if path is None:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            path = RESULTS_DIR / f"{self.bench}-{self.device.slug}-{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+
+def _finite(value: Any) -> Any:
+    """Non-finite floats become strings: strict JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _versions() -> dict[str, str | None]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "qvl_commit": commit,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunConfig:
+    device: Device
+    dtype: torch.dtype
+    quick: bool
+    json_path: Path | None
+
+
+def parse_args(description: str | None, argv: Sequence[str] | None = None) -> RunConfig:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller cases (always on for CPU runs)")
+    parser.add_argument("--json", type=Path, help="results file (default: bench/results/<bench>-<device>-<date>.json)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    args = parser.parse_args(argv)
+    device = get_device(args.device)
+    return RunConfig(device, DTYPES[args.dtype], args.quick or not device.is_cuda, args.json)
+
+
+@contextlib.contextmanager
+def cpu_threads(device: Device) -> Iterator[None]:
+    """One torch thread for CPU runs: CI shares its cores, and small ops waiting at an OpenMP barrier for
+    a descheduled thread ran 100x slower there. CPU numbers only show that the paths run."""
+    if device.is_cuda:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def main(description: str | None, benchmark: Callable[[RunConfig], Report], argv: Sequence[str] | None) -> Report:
+    """A benchmark module's command line: parse, run, write the JSON, print the summary with the table last."""
+    config = parse_args(description, argv)
+    with cpu_threads(config.device):
+        report = benchmark(config)
+    path = report.save(config.json_path)
+    print(f"results: {path}")
+    print(report.summary(), flush=True)
+    return report

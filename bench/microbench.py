@@ -1,0 +1,90 @@
+"""The benchmark modules' cases as pytest-benchmark microbenchmarks (bf16)::
+
+    python -m pytest bench/microbench.py                      # GPU: full case lists; CPU: the tiny ones
+    python -m pytest bench/microbench.py -k "rotary and qvl" --benchmark-json out.json
+
+Not part of the test suite: pytest only collects this file when it is named (its name does not match
+``test_*.py``). pytest-benchmark times wall clock, so each timed call ends with a device sync, and the
+inputs rotate through sets larger than L2 because nothing here flushes it between rounds. Each
+benchmark's ``extra_info`` carries its useful work (``flop`` or ``bytes``) for rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from . import bench_attention, bench_rotary, harness
+from .workloads import Grid, seqlens
+
+DEVICE = harness.get_device()
+DTYPE = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads():
+    with harness.cpu_threads(DEVICE):
+        yield
+
+
+def _id(prefix: str, grids: Sequence[Grid]) -> str:
+    """Test ids usable in ``-k`` expressions (no '=', spaces or brackets): 8B-S4096, 8B-mixed8."""
+    sizes = seqlens(grids)
+    return f"{prefix}-S{sizes[0]}" if len(sizes) == 1 else f"{prefix}-mixed{len(sizes)}"
+
+
+def _build(builders: dict[str, Callable[[], Any]], name: str) -> Any:
+    ready, skipped = harness.peers({name: builders[name]})
+    if name in skipped:
+        pytest.skip(skipped[name])
+    return ready[name]
+
+
+def _run(benchmark, calls: Sequence[Callable[[], Any]]) -> None:
+    step = harness.cycling(calls)
+
+    def timed() -> None:
+        step()
+        if DEVICE.is_cuda:
+            torch.cuda.synchronize(DEVICE.torch_device)
+
+    timed()  # compilation and first-call caches stay out of the rounds
+    benchmark(timed)
+
+
+ATTENTION_IMPLS = {
+    "qvl": partial(bench_attention.qvl_attn, DEVICE),
+    "qvl+rope": partial(bench_attention.qvl_attn, DEVICE, rope=True),
+    **{name: partial(build, DEVICE) for name, build in bench_attention.PEERS.items()},
+}
+
+
+@pytest.mark.parametrize("impl", list(ATTENTION_IMPLS))
+@pytest.mark.parametrize("case", bench_attention.cases(DEVICE, quick=False), ids=lambda c: _id(c.dims.name, c.grids))
+def test_attention(benchmark, case: bench_attention.Case, impl: str) -> None:
+    bind = _build(ATTENTION_IMPLS, impl)
+    count = harness.rotation_count(bench_attention.set_bytes(case, DTYPE), DEVICE)
+    sets = bench_attention.make_inputs(case, DEVICE, DTYPE, count)
+    benchmark.extra_info["flop"] = harness.attention_flops(case.dims.num_heads, case.dims.head_dim, sets[0].seqlens)
+    _run(benchmark, [bind(s) for s in sets])
+
+
+ROTARY_IMPLS = {
+    "qvl": partial(bench_rotary.qvl_rotary, DEVICE),
+    "qvl_in_place": partial(bench_rotary.qvl_rotary, DEVICE, in_place=True),
+    **{name.replace(" ", "_"): partial(build, DEVICE) for name, build in bench_rotary.PEERS.items()},
+}
+
+
+@pytest.mark.parametrize("impl", list(ROTARY_IMPLS))
+@pytest.mark.parametrize("grids", bench_rotary.cases(DEVICE, quick=False), ids=lambda g: _id("rope", g))
+def test_rotary(benchmark, grids, impl: str) -> None:
+    bind = _build(ROTARY_IMPLS, impl)
+    count = harness.rotation_count(bench_rotary.set_bytes(grids, DTYPE), DEVICE)
+    sets = bench_rotary.make_inputs(grids, DEVICE, DTYPE, count)
+    benchmark.extra_info["bytes"] = bench_rotary.min_bytes(sets[0])
+    _run(benchmark, [bind(s) for s in sets])

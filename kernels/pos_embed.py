@@ -1,0 +1,207 @@
+"""Qwen3-VL's learned position embedding, resampled to each image's grid:
+``torch.ops.qvl.pos_embed_interp`` and ``torch.ops.qvl.pos_embed_interp_add_``.
+
+Semantics (transformers' ``Qwen3VLVisionModel.forward``): each token blends 4 rows of the learned
+``(G*G, C)`` table, ``pos = (pos_embed[idx] * w[:, :, None]).sum(1)``, in fp32: the rows upcast, each
+multiplied by its fp32 weight and rounded, the 4 products summed in tap order 0, 1, 2, 3 starting from
+0 (as torch's reduction does). The model then adds it to the patch embeddings,
+``hidden = hidden + pos.to(hidden.dtype)``; the in-place op fuses that add, rounding ``pos`` to the
+hidden dtype first exactly as that expression does.
+
+The indices and weights are host-side metadata built once per batch (``qvl.vit.metadata``), so one
+launch covers every image of the batch whatever its size; the grid is (token blocks, channel blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    FLOAT_DTYPES,
+    backend_for,
+    check_same_device,
+    check_tensor,
+    device_guard,
+    value_checks_enabled,
+)
+
+__all__ = ["pos_embed_interp", "pos_embed_interp_add_", "pos_embed_interp_reference"]
+
+NUM_TAPS = 4
+
+
+@triton.jit
+def _pos_embed_interp_kernel(
+    # pointers
+    Table,
+    Indices,
+    Weights,
+    Out,
+    # sizes
+    num_tokens,
+    channels,
+    # strides; the tables' and outputs' last dims are contiguous
+    stride_tv,
+    stride_it,
+    stride_ik,
+    stride_wt,
+    stride_wk,
+    stride_ot,
+    # meta-parameters
+    ADD: tl.constexpr,
+    NUM_TAPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t = offs_t < num_tokens
+    mask = mask_t[:, None] & (offs_c < channels)[None, :]
+    tokens = offs_t.to(tl.int64)
+
+    # Zero start: torch's sum starts from 0 too, which turns a lone -0.0 product into +0.0.
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for tap in tl.static_range(NUM_TAPS):
+        rows = tl.load(Indices + tokens * stride_it + tap * stride_ik, mask=mask_t, other=0).to(tl.int64)
+        weight = tl.load(Weights + tokens * stride_wt + tap * stride_wk, mask=mask_t, other=0.0)
+        values = tl.load(Table + rows[:, None] * stride_tv + offs_c[None, :], mask=mask, other=0.0)
+        acc += values.to(tl.float32) * weight[:, None]
+
+    out_ptrs = Out + tokens[:, None] * stride_ot + offs_c[None, :]
+    if ADD:
+        # round(x + round(pos)): the model rounds pos to the hidden dtype before adding.
+        pos = acc.to(Out.dtype.element_ty).to(tl.float32)
+        hidden = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (hidden + pos).to(Out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def _interp_fp32(pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor) -> torch.Tensor:
+    """The blended rows in fp32, ``(T, C)``, with transformers' arithmetic."""
+    rows = torch.nn.functional.embedding(interp_indices.long(), pos_embed)  # (T, 4, C)
+    return (rows * interp_weights[:, :, None]).sum(1)
+
+
+def pos_embed_interp_reference(
+    pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """Pure-torch :func:`pos_embed_interp`: ``(T, C)`` in pos_embed's dtype (materialises ``(T, 4, C)``)."""
+    return _interp_fp32(pos_embed, interp_indices, interp_weights).to(pos_embed.dtype)
+
+
+def _check_interp_args(op: str, pos_embed, interp_indices, interp_weights, read_values: bool = True) -> None:
+    check_tensor(op, "pos_embed", pos_embed, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor(op, "interp_indices", interp_indices, ndim=2, dtypes=(torch.int32,))
+    check_tensor(op, "interp_weights", interp_weights, ndim=2, dtypes=(torch.float32,))
+    if interp_indices.shape[1] != NUM_TAPS:
+        raise ValueError(f"{op}: interp_indices must have shape (T, 4), got {tuple(interp_indices.shape)}")
+    if interp_weights.shape != interp_indices.shape:
+        raise ValueError(
+            f"{op}: interp_weights must have interp_indices' shape {tuple(interp_indices.shape)}, "
+            f"got {tuple(interp_weights.shape)}"
+        )
+    check_same_device(op, {"pos_embed": pos_embed, "interp_indices": interp_indices, "interp_weights": interp_weights})
+    if read_values and value_checks_enabled(pos_embed.device) and interp_indices.numel():
+        low, high = (int(v) for v in torch.aminmax(interp_indices))
+        if low < 0 or high >= pos_embed.shape[0]:
+            raise ValueError(
+                f"{op}: interp_indices must index rows of pos_embed, in [0, {pos_embed.shape[0]}), "
+                f"got values in [{low}, {high}]"
+            )
+
+
+def _check_add_args(op: str, hidden_states, pos_embed, interp_indices, interp_weights, read_values: bool = True):
+    _check_interp_args(op, pos_embed, interp_indices, interp_weights, read_values)
+    check_tensor(op, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    expected = (interp_indices.shape[0], pos_embed.shape[1])
+    if hidden_states.shape != expected:
+        raise ValueError(
+            f"{op}: hidden_states must have shape (T, C) = {expected} (T from interp_indices, C from "
+            f"pos_embed), got {tuple(hidden_states.shape)}"
+        )
+    check_same_device(op, {"pos_embed": pos_embed, "hidden_states": hidden_states})
+
+
+def _launch_interp(pos_embed, interp_indices, interp_weights, out, add: bool) -> None:
+    num_tokens, channels = out.shape
+    if num_tokens == 0 or channels == 0:
+        return
+    block_c = min(128, triton.next_power_of_2(channels))
+    block_t = max(1, 4096 // block_c)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+    with device_guard(out.device):
+        _pos_embed_interp_kernel[grid](
+            pos_embed, interp_indices, interp_weights, out,
+            num_tokens, channels,
+            pos_embed.stride(0), interp_indices.stride(0), interp_indices.stride(1),
+            interp_weights.stride(0), interp_weights.stride(1), out.stride(0),
+            ADD=add, NUM_TAPS=NUM_TAPS, BLOCK_T=block_t, BLOCK_C=block_c,
+            num_warps=4,
+            # No fused multiply-add: each product is rounded before it is summed, as torch's separate
+            # multiply and sum do, so the result matches transformers bit for bit.
+            enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+@torch.library.custom_op("qvl::pos_embed_interp", mutates_args=(), device_types=("cpu", "cuda"))
+def pos_embed_interp(
+    pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """Resample the learned position table to every token of a batch; returns a new ``(T, C)`` tensor.
+
+    Args:
+        pos_embed: ``(G*G, C)`` fp16/bf16/fp32 learned table, last dim contiguous.
+        interp_indices: int32 ``(T, 4)`` table rows per token, each in ``[0, G*G)`` (checked on CPU, and on
+            CUDA only with value checks on).
+        interp_weights: fp32 ``(T, 4)`` bilinear weights per token.
+
+    Returns contiguous ``(T, C)`` in pos_embed's dtype: the fp32 blend ``sum_k pos_embed[idx_k] * w_k``
+    (products rounded, summed in tap order) cast once. All on one device. Nothing is mutated.
+    """
+    _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights)
+    if backend_for(pos_embed.device) == "torch":
+        return pos_embed_interp_reference(pos_embed, interp_indices, interp_weights)
+    out = torch.empty(
+        (interp_indices.shape[0], pos_embed.shape[1]), dtype=pos_embed.dtype, device=pos_embed.device
+    )
+    _launch_interp(pos_embed, interp_indices, interp_weights, out, add=False)
+    return out
+
+
+@pos_embed_interp.register_fake
+def _(pos_embed, interp_indices, interp_weights):
+    _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights, read_values=False)
+    return pos_embed.new_empty((interp_indices.shape[0], pos_embed.shape[1]))
+
+
+@torch.library.custom_op("qvl::pos_embed_interp_add_", mutates_args=("hidden_states",), device_types=("cpu", "cuda"))
+def pos_embed_interp_add_(
+    hidden_states: torch.Tensor, pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> None:
+    """Add the resampled position embedding to ``hidden_states`` in place (the model's
+    ``hidden = hidden + pos.to(hidden.dtype)``, without materialising ``pos``).
+
+    Args:
+        hidden_states: ``(T, C)`` fp16/bf16/fp32, last dim contiguous (row stride free); any float dtype,
+            independent of pos_embed's. Mutated.
+        pos_embed, interp_indices, interp_weights: as for :func:`pos_embed_interp`.
+
+    Each element becomes ``round(x + round(pos))``, rounding to hidden_states' dtype, where ``pos`` is
+    the fp32 blend. Returns nothing. hidden_states must not overlap pos_embed.
+    """
+    _check_add_args("pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights)
+    if backend_for(hidden_states.device) == "torch":
+        pos = _interp_fp32(pos_embed, interp_indices, interp_weights)
+        hidden_states.add_(pos.to(hidden_states.dtype))
+        return
+    _launch_interp(pos_embed, interp_indices, interp_weights, hidden_states, add=True)
+
+
+@pos_embed_interp_add_.register_fake
+def _(hidden_states, pos_embed, interp_indices, interp_weights):
+    _check_add_args(
+        "pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights, read_values=False
+    )

@@ -1,0 +1,236 @@
+"""torch.ops.qvl.pos_embed_interp and pos_embed_interp_add_ against transformers' arithmetic.
+
+Tests run the Triton kernel (through the interpreter on CPU) by default and the torch path under
+``force_backend("torch")``. The interpreter rounds fp32 -> bf16 toward zero where torch and the GPU
+round to nearest, so bf16 results are held to bf16 rounding there and to exact equality elsewhere.
+"""
+
+import pytest
+import torch
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+from qvl.kernels.common import force_backend
+from qvl.kernels.pos_embed import pos_embed_interp_reference
+
+SIDE = 48
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def plan(grid, device, side=SIDE):
+    """transformers' interpolation plan for ``grid``, as the op takes it (int32 indices, fp32 weights)."""
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        torch.tensor(grid), num_grid_per_side=side, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    return indices.to(device=device, dtype=torch.int32), weights.to(device)
+
+
+def make_table(channels, dtype, device, side=SIDE, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(side * side, channels, generator=generator).to(device=device, dtype=dtype)
+
+
+def blend_in_tap_order(table, indices, weights):
+    """The fp32 blend with its order spelled out: products rounded, summed from 0 in tap order."""
+    acc = torch.zeros(indices.shape[0], table.shape[1], dtype=torch.float32, device=table.device)
+    for tap in range(indices.shape[1]):
+        acc = acc + table[indices[:, tap].long()].float() * weights[:, tap, None]
+    return acc
+
+
+def assert_interp_close(out, pos, exact):
+    """``out`` is ``pos`` (fp32) cast to out's dtype: exactly, or for the interpreter's bf16 within 1 ulp."""
+    expected = pos.to(out.dtype)
+    if exact or out.dtype != torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=0)
+
+
+def assert_add_close(out, hidden, pos, exact):
+    """``out`` is ``hidden + pos.to(hidden.dtype)`` as torch computes it (in bf16 under the interpreter:
+    each of the two roundings may be 1 ulp off)."""
+    expected = hidden + pos.to(hidden.dtype)
+    if exact or out.dtype != torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        error = (out.float() - expected.float()).abs()
+        assert bool((error <= 2**-7 * (expected.float().abs() + pos.abs())).all())
+
+
+def test_transformers_blend_is_tap_order():
+    """The semantics the kernel implements: transformers' ``(pos_embed(idx) * w[..., None]).sum(1)``
+    is the fp32 blend summed in tap order."""
+    indices, weights = plan([(1, 6, 10), (2, 8, 8)], "cpu")
+    for dtype in DTYPES:
+        table = make_table(96, dtype, "cpu")
+        hf = (torch.nn.functional.embedding(indices.long(), table) * weights[:, :, None]).sum(1)
+        assert hf.dtype == torch.float32
+        assert torch.equal(hf, blend_in_tap_order(table, indices, weights))
+        assert torch.equal(pos_embed_interp_reference(table, indices, weights), hf.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels", [64, 200])
+@pytest.mark.parametrize("grid", [[(1, 6, 10), (2, 8, 8)], [(1, 2, 2), (1, 16, 12), (1, 10, 4)]], ids=str)
+def test_interp_kernel(device, dtype, channels, grid):
+    indices, weights = plan(grid, device)
+    table = make_table(channels, dtype, device)
+    out = torch.ops.qvl.pos_embed_interp(table, indices, weights)
+    assert out.shape == (indices.shape[0], channels) and out.dtype == dtype and out.is_contiguous()
+    assert_interp_close(out, blend_in_tap_order(table, indices, weights), exact=device == "cuda")
+
+
+def test_interp_kernel_grid_larger_than_table(device):
+    indices, weights = plan([(1, 50, 34)], device)
+    table = make_table(32, torch.float32, device)
+    out = torch.ops.qvl.pos_embed_interp(table, indices, weights)
+    assert torch.equal(out, blend_in_tap_order(table, indices, weights))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interp_torch_backend_exact(dtype):
+    indices, weights = plan([(1, 6, 10), (2, 8, 8)], "cpu")
+    table = make_table(200, dtype, "cpu")
+    with force_backend("torch"):
+        out = torch.ops.qvl.pos_embed_interp(table, indices, weights)
+    assert torch.equal(out, blend_in_tap_order(table, indices, weights).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "hidden_dtype, table_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_add_in_place(device, hidden_dtype, table_dtype, backend):
+    if backend == "torch" and device != "cpu":
+        pytest.skip("the torch path is the CPU fallback")
+    indices, weights = plan([(1, 6, 10), (2, 8, 8)], device)
+    table = make_table(160, table_dtype, device)
+    generator = torch.Generator().manual_seed(1)
+    # A view with a row stride wider than its width: the op must honour strides and leave the rest alone.
+    storage = torch.randn(indices.shape[0], 200, generator=generator).to(device=device, dtype=hidden_dtype)
+    hidden = storage[:, 20:180]
+    before = storage.clone()
+    if backend == "torch":
+        with force_backend("torch"):
+            result = torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+    else:
+        result = torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+    assert result is None
+    assert hidden.data_ptr() == storage[:, 20:].data_ptr()
+    assert torch.equal(storage[:, :20], before[:, :20]) and torch.equal(storage[:, 180:], before[:, 180:])
+    pos = blend_in_tap_order(table, indices, weights)
+    assert_add_close(hidden, before[:, 20:180], pos, exact=backend == "torch" or device == "cuda")
+
+
+def test_strided_plan(device):
+    """Indices and weights given as transposed views (strides (1, T)) read the same values."""
+    indices, weights = plan([(2, 8, 8)], device)
+    table = make_table(64, torch.float32, device)
+    out = torch.ops.qvl.pos_embed_interp(table, indices.t().contiguous().t(), weights.t().contiguous().t())
+    assert torch.equal(out, blend_in_tap_order(table, indices, weights))
+
+
+def test_empty_batch(device):
+    indices = torch.empty(0, 4, dtype=torch.int32, device=device)
+    weights = torch.empty(0, 4, dtype=torch.float32, device=device)
+    table = make_table(64, torch.bfloat16, device)
+    out = torch.ops.qvl.pos_embed_interp(table, indices, weights)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+    hidden = torch.empty(0, 64, dtype=torch.float32, device=device)
+    torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+
+
+def test_opcheck(device):
+    indices, weights = plan([(1, 6, 10)], device)
+    table = make_table(64, torch.float16, device)
+    hidden = torch.randn(indices.shape[0], 64, device=device)
+    torch.library.opcheck(torch.ops.qvl.pos_embed_interp.default, (table, indices, weights))
+    torch.library.opcheck(torch.ops.qvl.pos_embed_interp_add_.default, (hidden, table, indices, weights))
+
+
+def test_compile_dynamic_no_recompile(device):
+    """One compiled graph serves every token count: a second batch size does not recompile."""
+    torch._dynamo.reset()
+    table = make_table(64, torch.float32, device)
+
+    def embed(hidden, table, indices, weights):
+        pos = torch.ops.qvl.pos_embed_interp(table, indices, weights)
+        torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+        return hidden * 2.0 - pos
+
+    compiled = torch.compile(embed, fullgraph=True, dynamic=True)
+    # Token counts unlike every other size in play, so duck sizing ties no symbol to them.
+    first, second = [(1, 6, 10), (2, 8, 8)], [(1, 10, 10), (1, 2, 6)]
+    for grid, stance in ((first, "default"), (second, "fail_on_recompile")):
+        indices, weights = plan(grid, device)
+        hidden = torch.randn(indices.shape[0], 64, device=device)
+        expected_hidden = hidden.clone()
+        expected = embed(expected_hidden, table, indices, weights)
+        with torch.compiler.set_stance(stance):
+            out = compiled(hidden, table, indices, weights)
+        assert torch.equal(hidden, expected_hidden)
+        assert torch.equal(out, expected)
+
+
+BAD_INPUTS = [
+    # (what to change, error, message pattern)
+    (dict(table=lambda t: t.double()), TypeError, r"pos_embed must be one of"),
+    (dict(table=lambda t: t[0]), ValueError, r"pos_embed must be 2-D"),
+    (dict(table=lambda t: t.t().contiguous().t()), ValueError, r"pos_embed must have a contiguous last"),
+    (dict(indices=lambda i: i.long()), TypeError, r"interp_indices must be one of \(int32\)"),
+    (dict(indices=lambda i: i[:, :3]), ValueError, r"interp_indices must have shape \(T, 4\)"),
+    (dict(indices=lambda i: i.flatten()), ValueError, r"interp_indices must be 2-D"),
+    (dict(weights=lambda w: w.half()), TypeError, r"interp_weights must be one of \(float32\)"),
+    (dict(weights=lambda w: w[1:]), ValueError, r"interp_weights must have interp_indices' shape"),
+    (dict(indices=lambda i: torch.where(i == 0, SIDE * SIDE, i)), ValueError, r"interp_indices must index rows"),
+    (dict(indices=lambda i: i - 1), ValueError, r"interp_indices must index rows of pos_embed, in \[0, 2304\)"),
+]
+
+
+@pytest.mark.parametrize("change, error, pattern", BAD_INPUTS)
+@pytest.mark.parametrize("op", ["interp", "add"])
+def test_bad_inputs(change, error, pattern, op):
+    indices, weights = plan([(1, 2, 2)], "cpu")
+    table = make_table(16, torch.float32, "cpu")
+    table = change.get("table", lambda t: t)(table)
+    indices = change.get("indices", lambda i: i)(indices)
+    weights = change.get("weights", lambda w: w)(weights)
+    with pytest.raises(error, match=pattern):
+        if op == "interp":
+            torch.ops.qvl.pos_embed_interp(table, indices, weights)
+        else:
+            torch.ops.qvl.pos_embed_interp_add_(torch.zeros(4, 16), table, indices, weights)
+
+
+@pytest.mark.parametrize(
+    "hidden, error, pattern",
+    [
+        (torch.zeros(4, 16, dtype=torch.int32), TypeError, r"hidden_states must be one of"),
+        (torch.zeros(4, 16, dtype=torch.float64), TypeError, r"hidden_states must be one of"),
+        (torch.zeros(4, 8), ValueError, r"hidden_states must have shape \(T, C\) = \(4, 16\)"),
+        (torch.zeros(5, 16), ValueError, r"hidden_states must have shape \(T, C\) = \(4, 16\)"),
+        (torch.zeros(16), ValueError, r"hidden_states must be 2-D"),
+        (torch.zeros(16, 4).t(), ValueError, r"hidden_states must have a contiguous last dimension"),
+    ],
+)
+def test_bad_hidden_states(hidden, error, pattern):
+    indices, weights = plan([(1, 2, 2)], "cpu")
+    with pytest.raises(error, match=pattern):
+        torch.ops.qvl.pos_embed_interp_add_(hidden, make_table(16, torch.float32, "cpu"), indices, weights)
+
+
+def test_mixed_devices():
+    indices, weights = plan([(1, 2, 2)], "cpu")
+    table = make_table(16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"interp_weights is on meta but pos_embed is on cpu"):
+        torch.ops.qvl.pos_embed_interp(table, indices, weights.to("meta"))
+    with pytest.raises(ValueError, match=r"hidden_states is on meta but pos_embed is on cpu"):
+        torch.ops.qvl.pos_embed_interp_add_(torch.zeros(4, 16, device="meta"), table, indices, weights)

@@ -1,0 +1,192 @@
+"""qvl.vit.VisionTransformer against transformers' Qwen3VLVisionModel, compile, memory, soak."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ON_GPU
+from towers import hf_vision_model, pixel_values_for, vision_config
+
+from qvl.kernels import force_backend
+from qvl.vit import VisionConfig, VisionTransformer
+
+MIXED = [[1, 6, 10], [2, 4, 4], [1, 2, 2]]
+
+
+def hf_outputs(hf, pixel_values, grid_thw):
+    with torch.no_grad():
+        out = hf(pixel_values, grid_thw=torch.tensor(grid_thw))
+    return out.pooler_output, out.deepstack_features
+
+
+def assert_matches(tower, hf, grid_thw, rtol, atol, seed=0):
+    pixel_values = pixel_values_for(grid_thw, seed).to(tower.dtype)
+    expected, expected_deepstack = hf_outputs(hf, pixel_values, grid_thw)
+    with torch.no_grad():
+        merged, deepstack = tower(pixel_values, grid_thw)
+    assert merged.shape == expected.shape and len(deepstack) == len(expected_deepstack)
+    torch.testing.assert_close(merged, expected, rtol=rtol, atol=atol)
+    for got, want in zip(deepstack, expected_deepstack):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_matches_transformers_fp32_with_video_and_one_merged_row():
+    hf = hf_vision_model()
+    tower = VisionTransformer.from_hf(hf).eval()
+    assert_matches(tower, hf, MIXED + [[1, 2, 8], [1, 10, 2]], rtol=1e-4, atol=1e-5)
+
+
+def test_many_tiny_images_and_one_large_on_the_torch_path():
+    hf = hf_vision_model(seed=1)
+    tower = VisionTransformer.from_hf(hf).eval()
+    with force_backend("torch"):
+        assert_matches(tower, hf, [[1, 2, 2]] * 12 + [[1, 60, 52]] + [[3, 2, 4]], rtol=1e-4, atol=1e-5)
+
+
+def test_fp16_within_its_rounding():
+    hf = hf_vision_model(seed=2).half()
+    tower = VisionTransformer.from_hf(hf).eval()
+    assert tower.dtype == torch.float16
+    assert_matches(tower, hf, MIXED, rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_within_its_rounding(bf16_dot_as_fp32):
+    """bf16 attention dots via the conftest shim on CPU (bf16 operands, fp32 accumulation)."""
+    hf = hf_vision_model(seed=3).bfloat16()
+    tower = VisionTransformer.from_hf(hf).eval()
+    assert_matches(tower, hf, MIXED[:2], rtol=5e-2, atol=5e-2)
+
+
+def test_head_dim_64_and_80():
+    for hidden, heads in ((128, 2), (160, 2)):
+        hf = hf_vision_model(seed=4, hidden_size=hidden, num_heads=heads)
+        tower = VisionTransformer.from_hf(hf).eval()
+        with force_backend("torch"):
+            assert_matches(tower, hf, MIXED, rtol=1e-4, atol=1e-5)
+
+
+def test_empty_batch():
+    tower = VisionTransformer(VisionConfig.from_hf(vision_config())).init_random_weights()
+    merged, deepstack = tower(torch.empty(0, 1536), torch.empty(0, 3, dtype=torch.long))
+    assert merged.shape == (0, 96) and [d.shape for d in deepstack] == [(0, 96), (0, 96)]
+
+
+def test_bad_inputs():
+    tower = VisionTransformer(VisionConfig.from_hf(vision_config())).init_random_weights()
+    with pytest.raises(ValueError, match="pixel_values must have shape"):
+        tower(torch.zeros(5, 1536), [[1, 2, 2]])
+    with pytest.raises(ValueError, match="grid_thw"):
+        tower(torch.zeros(6, 1536), [[1, 2, 3]])
+    with pytest.raises(ValueError, match="hidden_size"):
+        VisionConfig(hidden_size=100, num_heads=3)
+
+
+def test_compile_no_recompiles_across_batches():
+    hf = hf_vision_model(seed=5)
+    tower = VisionTransformer.from_hf(hf).eval().compile()
+    with force_backend("torch"):
+        assert_matches(tower, hf, MIXED, rtol=1e-4, atol=1e-5)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for grids in ([[1, 2, 2]], [[4, 8, 6], [1, 2, 2], [1, 2, 2]], [[1, 16, 12]] * 3, [[2, 2, 2]]):
+                assert_matches(tower, hf, grids, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_tower_through_the_interpreter():
+    hf = hf_vision_model(seed=6)
+    tower = VisionTransformer.from_hf(hf).eval().compile()
+    assert_matches(tower, hf, [[1, 4, 4]], rtol=1e-4, atol=1e-5)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert_matches(tower, hf, [[2, 2, 4], [1, 6, 2]], rtol=1e-4, atol=1e-5)
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import gc, sys, torch
+    from qvl.vit import VisionConfig, VisionTransformer
+    torch.manual_seed(0)
+    config = VisionConfig(depth=2, hidden_size=256, num_heads=4, intermediate_size=1024, out_hidden_size=512,
+                          deepstack_visual_indexes=(1,))
+    tower = VisionTransformer(config).init_random_weights().eval()
+    if sys.argv[1] == "compiled":
+        tower.compile()
+    grid = [[1, 64, 64], [2, 32, 24]]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), 1536)
+    meta = tower.metadata(grid)
+    with torch.no_grad():
+        tower.encode(pixels, meta)
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        def field(name):
+            for line in open("/proc/self/status"):
+                if line.startswith(name):
+                    return int(line.split()[1])
+        base = field("VmRSS:")
+        tower.encode(pixels, meta)
+        print(field("VmHWM:") - base)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+def test_compiled_peak_memory_not_above_eager():
+    """Peak resident memory of one forward (after warm-up), each mode in a fresh process (torch path)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    peaks = {}
+    for mode in ("eager", "compiled"):
+        run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], capture_output=True, text=True, env=env,
+                             timeout=300, check=True)
+        peaks[mode] = int(run.stdout.split()[-1])
+    print(f"peak resident growth per forward: {peaks} KiB")
+    assert peaks["compiled"] <= peaks["eager"] * 1.05 + 2048, peaks
+
+
+def test_soak_memory_does_not_grow():
+    """A few hundred small batches of varying sizes in one process: resident memory stays flat."""
+    tower = VisionTransformer(VisionConfig.from_hf(vision_config(depth=1, deepstack_visual_indexes=[0])))
+    tower.init_random_weights().eval()
+    generator = torch.Generator().manual_seed(0)
+
+    def resident_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+
+    def run_batches(count):
+        for _ in range(count):
+            n = int(torch.randint(1, 4, (1,), generator=generator))
+            grid = [[int(torch.randint(1, 3, (1,), generator=generator)), 2 * int(torch.randint(1, 6, (1,), generator=generator)),
+                     2 * int(torch.randint(1, 6, (1,), generator=generator))] for _ in range(n)]
+            with torch.no_grad():
+                merged, _ = tower(pixel_values_for(grid), grid)
+            assert merged.shape[0] == sum(t * h * w for t, h, w in grid) // 4
+
+    with force_backend("torch"):
+        run_batches(50)
+        gc.collect()
+        before = resident_kib()
+        run_batches(200)
+        gc.collect()
+        after = resident_kib()
+    assert after - before < 16 * 1024, f"resident memory grew by {after - before} KiB over 200 batches"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_cuda_forward_makes_no_host_sync():
+    hf = hf_vision_model(seed=7).cuda().bfloat16()
+    tower = VisionTransformer.from_hf(hf).eval()
+    grid = MIXED
+    pixels = pixel_values_for(grid).cuda().bfloat16()
+    meta = tower.metadata(grid)
+    with torch.no_grad():
+        tower.encode(pixels, meta)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tower.encode(pixels, meta)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
