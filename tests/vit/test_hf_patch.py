@@ -43,6 +43,7 @@ def test_full_model_logits_generate_and_save(tmp_path):
     model = tiny_full_model()
     input_ids = prompt_for(GRID)
     inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                  mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
                   pixel_values=pixel_values_for(GRID, seed=3), image_grid_thw=torch.tensor(GRID))
     with torch.no_grad():
         expected_logits = model(**inputs).logits
