@@ -19,12 +19,10 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -109,24 +107,9 @@ def get_device(requested: str = "auto") -> Device:
 def qvl_path(device: Device) -> contextlib.AbstractContextManager:
     """Wrap each qvl call in this: on CPU it pins the pure-torch path, so a CPU run stays fast even in a
     process where TRITON_INTERPRET=1 (the tests' setting) would send CPU tensors through the interpreter."""
-    stack = contextlib.ExitStack()
-    if not device.is_cuda:
-        for common in _qvl_common_copies():
-            stack.enter_context(common.force_backend("torch"))
-    return stack
-
-
-def _qvl_common_copies() -> list[ModuleType]:
-    """qvl's kernel runtime under each name it is loaded as. Run from the repository root, transformers'
-    probe for Hugging Face's ``kernels`` package imports qvl's kernels/ directory a second time as a
-    top-level ``kernels``; that copy's op registrations replace qvl.kernels' own and read their own
-    forced-backend state, so forcing must reach both."""
-    copies = [qvl_common]
-    shadow = sys.modules.get("kernels.common")
-    shadow_file = getattr(shadow, "__file__", None)
-    if shadow_file and Path(shadow_file).resolve() == Path(qvl_common.__file__).resolve():
-        copies.append(shadow)
-    return copies
+    if device.is_cuda:
+        return contextlib.nullcontext()
+    return qvl_common.force_backend("torch")
 
 
 # --------------------------------------------------------------------------------------------------

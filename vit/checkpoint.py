@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["CheckpointError", "load_vision_checkpoint", "save_vision_checkpoint"]
 
@@ -55,7 +55,7 @@ def _tensor_names(file: Path) -> list[str]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             return list(handle.keys())
-    except (OSError, RuntimeError, ValueError) as error:
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:
         raise CheckpointError(f"{file}: unreadable safetensors ({error})") from None
 
 
@@ -93,7 +93,7 @@ def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, tor
             with safe_open(str(file), framework="pt") as handle:
                 for name in wanted:
                     state_dict[name[len(prefix) :]] = handle.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as error:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as error:
             raise CheckpointError(f"{file}: unreadable safetensors ({error})") from None
     if "patch_embed.proj.weight" not in state_dict:
         raise CheckpointError(f"{directory}: no vision tower weights (expected model.visual.patch_embed.proj.weight)")

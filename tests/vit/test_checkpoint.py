@@ -1,0 +1,74 @@
+"""Loading the tower from local checkpoint directories with transformers' names (safetensors only)."""
+
+import json
+
+import pytest
+import torch
+from towers import full_config, hf_vision_model, pixel_values_for, randomize
+from transformers import Qwen3VLForConditionalGeneration
+
+from qvl.kernels import force_backend
+from qvl.vit import VisionTransformer
+from qvl.vit.checkpoint import CheckpointError, load_vision_checkpoint, save_vision_checkpoint
+
+GRID = [[1, 4, 6], [2, 2, 2]]
+
+
+def assert_same_outputs(tower, reference):
+    pixels = pixel_values_for(GRID)
+    with force_backend("torch"), torch.no_grad():
+        got, got_deepstack = tower(pixels, GRID)
+        want, want_deepstack = reference(pixels, GRID)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_deepstack, want_deepstack):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "200KB"])
+def test_full_model_checkpoint_single_and_sharded(tmp_path, max_shard_size):
+    model = randomize(Qwen3VLForConditionalGeneration(full_config()), 1).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(tmp_path, **kwargs)
+    if max_shard_size:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    tower = VisionTransformer.from_pretrained(tmp_path).eval()
+    assert_same_outputs(tower, VisionTransformer.from_hf(model.model.visual).eval())
+
+
+def test_vision_only_checkpoint_round_trip(tmp_path):
+    hf = hf_vision_model(seed=2)
+    reference = VisionTransformer.from_hf(hf).eval()
+    save_vision_checkpoint(tmp_path, hf.config.to_dict(), reference.state_dict())
+    config, state_dict = load_vision_checkpoint(tmp_path)
+    assert config["depth"] == 3 and "blocks.2.attn.qkv.weight" in state_dict
+    assert_same_outputs(VisionTransformer.from_pretrained(tmp_path, dtype=torch.float32).eval(), reference)
+
+
+def test_pickled_weights_are_never_loaded(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"depth": 1}))
+    torch.save({"patch_embed.proj.weight": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_vision_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: None, "config.json: not found"),
+        (lambda d: (d / "config.json").write_text("{not json"), "config.json: unreadable"),
+        (lambda d: ((d / "config.json").write_text("{}"), (d / "model.safetensors").write_bytes(b"garbage")),
+         "model.safetensors: unreadable"),
+        (lambda d: ((d / "config.json").write_text("{}"),
+                    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))),
+         "part-1.safetensors: not found"),
+    ],
+)
+def test_bad_directories_name_the_file(tmp_path, make, words):
+    make(tmp_path)
+    with pytest.raises(CheckpointError, match=words):
+        load_vision_checkpoint(tmp_path)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_vision_checkpoint(tmp_path / "missing")

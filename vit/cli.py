@@ -1,0 +1,484 @@
+"""The ``qvl`` command line (also ``python -m qvl.vit``).
+
+``qvl encode IMAGE... [--video DIR]...`` runs the vision tower over image files and videos given as
+folders of frame images and writes the features to one safetensors file (layout in ``ENCODE_EPILOG``).
+
+Inputs are prepared by transformers' Qwen2-VL PIL image processor with Qwen3-VL's settings, so the
+patches are exactly what a Qwen3-VL pipeline feeds the tower. The processor is built locally from the
+tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision, and so
+does transformers' video processor. Videos therefore go through the image processor frame by frame, and
+this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`).
+
+Every input is opened and decoded before the model is loaded, and the output is written to a temporary
+file beside the target and renamed over it at the end, so a bad input or a failed run fails early with
+one line naming the file and never leaves a partial output behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from qvl.kernels import backend_for
+
+from .checkpoint import CheckpointError
+from .model import VisionConfig, VisionTransformer
+
+__all__ = ["EMBEDDED_CONFIG", "build_parser", "main"]
+
+EXIT_USAGE = 2
+EXIT_RUNTIME = 1
+
+# Qwen3-VL's preprocessor_config.json bounds the resized image to [256*256, 4096*4096] pixels. 4096^2
+# pixels are 65536 patches per image, minutes of CPU time each, so the CLI defaults to a smaller cap.
+QWEN3_VL_MIN_PIXELS = 256 * 256
+QWEN3_VL_MAX_PIXELS = 4096 * 4096
+DEFAULT_MAX_PIXELS = 512 * 512
+QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
+QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
+# Qwen's processors refuse images more elongated than this (smart_resize); checked up front instead.
+MAX_ASPECT_RATIO = 200
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_BACKEND_NAMES = {"triton": "Triton compiled", "interpreter": "Triton interpreter", "torch": "torch reference"}
+
+ENCODE_EPILOG = f"""\
+output (safetensors), for each input i, numbered over the images in the order given and then the
+--video folders in the order given (videos are inputs like images; their rows cover all frames):
+  image.{{i}}.merged          (n_i, out_hidden)  main merger output; n_i = t*h*w / merge_size**2
+  image.{{i}}.deepstack.{{j}}   (n_i, out_hidden)  deepstack merger j (layer deepstack_visual_indexes[j])
+metadata (safetensors string metadata; lists are JSON):
+  sources    input paths as given          kinds      "image" or "video" per input
+  grid_thw   [t, h, w] patch grid per input (t = frames / temporal_patch_size, padded up)
+  model      checkpoint dir or "embedded-random"   dtype, backend, deepstack_visual_indexes
+read back with safetensors.safe_open(path, "pt"): .get_tensor("image.0.merged"), .metadata()
+
+preparation is Qwen3-VL's: transformers' Qwen2-VL image processor, patch/temporal/merge sizes from the
+model, mean = std = 0.5, bicubic resize to multiples of patch*merge within [--min-pixels, --max-pixels].
+Qwen3-VL's own bounds are {QWEN3_VL_MIN_PIXELS} (256^2) and {QWEN3_VL_MAX_PIXELS} (4096^2) pixels; the default cap here,
+{DEFAULT_MAX_PIXELS} (512^2), keeps CPU runs practical. Video frames are sized like images and must all be the
+same size; an odd frame count is padded by repeating the last frame, as Qwen's processors do.
+
+without --model the embedded default runs: a small Qwen3-VL-shaped tower with random weights (seed 0),
+for trying the pipeline on a machine with no checkpoint; its features carry no meaning.
+
+exit status: 0 success, 2 bad arguments or an input/checkpoint that cannot be used (one line naming the
+file on stderr, no output written), 1 failure while encoding (e.g. out of memory).
+"""
+
+
+# A small tower of Qwen3-VL's shape (patch 16, merge 2, temporal 2, 48x48 position grid, two deepstack
+# taps), so `qvl encode` runs on a fresh machine without downloading a checkpoint.
+EMBEDDED_CONFIG = VisionConfig(
+    depth=4,
+    hidden_size=256,
+    num_heads=4,
+    intermediate_size=1024,
+    out_hidden_size=512,
+    deepstack_visual_indexes=(1, 3),
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=2304,
+)
+EMBEDDED_SEED = 0
+
+
+class CliError(Exception):
+    """An input, checkpoint or option the command cannot use; the message starts with the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """One encoder input: an image file, or a video as its ordered frame files."""
+
+    kind: str
+    source: str
+    frames: list[Path]
+
+
+def _open_rgb(path: Path):
+    """Decode ``path`` fully as an upright RGB PIL image, or raise :class:`CliError` naming it."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            # Photos store their rotation in EXIF; transformers' load_image applies it, so do the same.
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CliError(f"{path}: is a directory (give frame folders with --video)") from None
+    except PermissionError:
+        raise CliError(f"{path}: permission denied") from None
+    except UnidentifiedImageError:
+        raise CliError(f"{path}: not an image file PIL can read") from None
+    except Image.DecompressionBombError as error:
+        raise CliError(f"{path}: {error}") from None
+    # PIL's decoders fail with many exception types on corrupt data (OSError, SyntaxError, ValueError,
+    # struct.error, ...); any of them means this file cannot be used.
+    except Exception as error:  # noqa: BLE001
+        raise CliError(f"{path}: unreadable image ({type(error).__name__}: {error})") from None
+
+
+def _check_image(path: Path) -> tuple[int, int]:
+    """Decode ``path`` once to prove it usable; returns its upright (width, height)."""
+    width, height = _open_rgb(path).size
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise CliError(f"{path}: {width}x{height} is more elongated than {MAX_ASPECT_RATIO}:1 (Qwen's limit)")
+    return width, height
+
+
+def _natural_key(path: Path) -> list:
+    # frame2 before frame10: digit runs compare by value, so unpadded frame numbers keep their order.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
+def _frame_files(directory: Path) -> list[Path]:
+    from PIL import Image
+
+    readable = {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        raise CliError(f"{directory}: no such directory") from None
+    except NotADirectoryError:
+        raise CliError(f"{directory}: not a directory (--video takes a folder of frame images)") from None
+    except PermissionError:
+        raise CliError(f"{directory}: permission denied") from None
+    frames = [
+        p for p in entries if p.suffix.lower() in readable and not p.name.startswith(".") and not p.is_dir()
+    ]
+    if not frames:
+        raise CliError(f"{directory}: no frame images (expected files such as 0001.png, 0002.png, ...)")
+    return sorted(frames, key=_natural_key)
+
+
+def _collect_inputs(images: Sequence[str], videos: Sequence[str]) -> list[_Input]:
+    inputs = []
+    for name in images:
+        _check_image(Path(name))
+        inputs.append(_Input("image", name, [Path(name)]))
+    for name in videos:
+        frames = _frame_files(Path(name))
+        first = _check_image(frames[0])
+        for frame in frames[1:]:
+            size = _check_image(frame)
+            if size != first:
+                raise CliError(
+                    f"{frame}: frame is {size[0]}x{size[1]} but {frames[0].name} is {first[0]}x{first[1]}"
+                    " (all frames of a video must have one size)"
+                )
+        inputs.append(_Input("video", name, frames))
+    return inputs
+
+
+def _video_patches(frame_patches: torch.Tensor, num_frames: int, config) -> tuple[torch.Tensor, int]:
+    """Turn the image processor's per-frame patches into one video's patches; returns ``(rows, t)``.
+
+    The image processor emits rows ``(C, temporal_patch_size, p, p)`` with the frame repeated over
+    the temporal slots, in merge-block order per frame. A video row holds consecutive frames in those
+    slots instead, and the video's rows run over ``[t][merge-block order]``, which is what
+    transformers' Qwen3-VL video processor produces from the same frames.
+    """
+    slots, channels, area = config.temporal_patch_size, config.in_channels, config.patch_size**2
+    per_frame = frame_patches.view(num_frames, -1, channels, slots, area)[:, :, :, 0]
+    if pad := -num_frames % slots:
+        per_frame = torch.cat([per_frame, per_frame[-1:].expand(pad, -1, -1, -1)])
+    grid_t = per_frame.shape[0] // slots
+    rows = per_frame.view(grid_t, slots, -1, channels, area).permute(0, 2, 3, 1, 4)
+    return rows.reshape(-1, channels * slots * area), grid_t
+
+
+class _Preparer:
+    """Images and videos -> ``(pixel_values rows, [t, h, w])`` the Qwen3-VL way."""
+
+    def __init__(self, config, min_pixels: int, max_pixels: int):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.config = config
+        self.processor = Qwen2VLImageProcessorPil(
+            patch_size=config.patch_size,
+            temporal_patch_size=config.temporal_patch_size,
+            merge_size=config.spatial_merge_size,
+            image_mean=list(QWEN3_VL_IMAGE_MEAN),
+            image_std=list(QWEN3_VL_IMAGE_STD),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+        )
+
+    def __call__(self, item: _Input) -> tuple[torch.Tensor, list[int]]:
+        frames = [_open_rgb(path) for path in item.frames]
+        batch = self.processor(images=frames, return_tensors="pt")
+        pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+        _, grid_h, grid_w = grid[0].tolist()
+        if item.kind == "image":
+            return pixels, [1, grid_h, grid_w]
+        rows, grid_t = _video_patches(pixels, len(frames), self.config)
+        return rows, [grid_t, grid_h, grid_w]
+
+
+class _Progress:
+    """A one-line progress bar on stderr, drawn only on a terminal so that logs get no carriage returns."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream=None):
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = self.stream.isatty()
+        self.start = time.perf_counter()
+        self.update(0)  # shown before the first batch, which can be slow (compilation, warm-up)
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(f"\rqvl: encode [{bar}] {done}/{self.total} inputs, {rate:.1f}/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qvl", description="Qwen3-VL vision tower on qvl's Triton kernels.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    encode = commands.add_parser(
+        "encode",
+        help="encode images and videos to a safetensors file of vision features",
+        description="Encode image files (and videos given as folders of frame images) with the vision "
+        "tower and write the merged and deepstack features to a safetensors file.",
+        epilog=ENCODE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    encode.add_argument("images", nargs="*", metavar="IMAGE", help="image files (any format PIL reads)")
+    encode.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a video as a folder of frame images, ordered by name (frame2 before frame10); repeatable",
+    )
+    encode.add_argument(
+        "--model",
+        metavar="DIR",
+        help="local checkpoint directory (config.json + safetensors); default: the embedded random-weight tower",
+    )
+    encode.add_argument(
+        "--output", "-o", default="features.safetensors", metavar="PATH", help="output file (default: %(default)s)"
+    )
+    encode.add_argument(
+        "--batch-size", type=_positive_int, default=8, metavar="N", help="inputs per forward (default: %(default)s)"
+    )
+    encode.add_argument("--compile", action="store_true", help="torch.compile the tower's forward")
+    encode.add_argument(
+        "--dtype", choices=sorted(_DTYPES), help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)"
+    )
+    encode.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    encode.add_argument(
+        "--min-pixels",
+        type=_positive_int,
+        default=QWEN3_VL_MIN_PIXELS,
+        metavar="N",
+        help="smallest resized image, in pixels (default: %(default)s, Qwen3-VL's)",
+    )
+    encode.add_argument(
+        "--max-pixels",
+        type=_positive_int,
+        default=DEFAULT_MAX_PIXELS,
+        metavar="N",
+        help=f"largest resized image, in pixels (default: %(default)s; Qwen3-VL: {QWEN3_VL_MAX_PIXELS})",
+    )
+    encode.set_defaults(run=_run_encode, check=_check_encode_args, subparser=encode)
+    return parser
+
+
+def _check_encode_args(args: argparse.Namespace) -> None:
+    """Checks argparse cannot express; they exit through the subcommand's usage like its own errors."""
+    if not args.images and not args.video:
+        args.subparser.error("no inputs (give image files and/or --video DIR)")
+    if args.min_pixels > args.max_pixels:
+        args.subparser.error(f"--min-pixels {args.min_pixels} is larger than --max-pixels {args.max_pixels}")
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise CliError(f"--device {name}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir():
+        raise CliError(f"{path}: is a directory (--output takes a file path)")
+    if not path.parent.is_dir():
+        raise CliError(f"{path.parent}: no such directory (for --output {path})")
+
+
+def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device):
+    """The tower and its name for the output's metadata."""
+    if model is None:
+        tower = VisionTransformer(EMBEDDED_CONFIG).init_random_weights(EMBEDDED_SEED)
+        return tower.to(dtype=dtype, device=device), "embedded-random"
+    try:
+        tower = VisionTransformer.from_pretrained(model, dtype=dtype, device=device)
+    except CheckpointError as error:
+        raise CliError(str(error)) from None
+    # A readable checkpoint can still hold a config or tensors that do not make a tower.
+    except (ValueError, TypeError) as error:
+        raise CliError(f"{model}: {error}") from None
+    return tower, model
+
+
+def _describe(config) -> str:
+    return (
+        f"depth {config.depth}, hidden {config.hidden_size}, {config.num_heads} heads, "
+        f"out {config.out_hidden_size}, deepstack {list(config.deepstack_visual_indexes)}"
+    )
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write beside ``path`` then rename over it, so readers never see a partial file."""
+    from safetensors.torch import save_file
+
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        os.replace(temporary, path)
+    except OSError as error:
+        raise CliError(f"{path}: cannot write ({error.strerror or error})") from None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _log(message: str) -> None:
+    print(f"qvl: {message}", file=sys.stderr, flush=True)
+
+
+def _check_extras() -> None:
+    try:
+        import PIL  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise CliError(f"qvl encode needs pillow and transformers ({error}); pip install 'qvl[hf]'") from None
+
+
+def _run_encode(args: argparse.Namespace) -> int:
+    _check_extras()
+    device = _resolve_device(args.device)
+    dtype = _DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    try:
+        backend = backend_for(device)
+    except (RuntimeError, ValueError) as error:
+        raise CliError(f"--device {device}: {error}") from None
+    output = Path(args.output)
+    _check_output(output)
+    inputs = _collect_inputs(args.images, args.video)
+
+    tower, model_name = _load_tower(args.model, dtype, device)
+    config = tower.config
+    if args.model is None:
+        _log(
+            f"model: embedded random default ({_describe(config)}; random weights, seed {EMBEDDED_SEED}: "
+            "features carry no meaning; pass --model DIR for a real checkpoint)"
+        )
+    else:
+        _log(f"model: {args.model} ({_describe(config)})")
+    _log(f"backend: {_BACKEND_NAMES[backend]} on {device}, {str(dtype).removeprefix('torch.')}")
+    if args.compile:
+        tower.compile()
+    prepare = _Preparer(config, args.min_pixels, args.max_pixels)
+
+    tensors: dict[str, torch.Tensor] = {}
+    grids: list[list[int]] = []
+    progress = _Progress(len(inputs))
+    start = time.perf_counter()
+    with torch.no_grad():
+        for first in range(0, len(inputs), args.batch_size):
+            prepared = [prepare(item) for item in inputs[first : first + args.batch_size]]
+            pixels = torch.cat([rows for rows, _ in prepared])
+            batch_grids = [grid for _, grid in prepared]
+            meta = tower.metadata(batch_grids)
+            merged, deepstack = tower.encode(pixels, meta)
+            counts = list(meta.merged_token_counts)
+            # One device-to-host copy per output; clones so that no two saved tensors share storage.
+            outputs = {"merged": merged} | {f"deepstack.{j}": d for j, d in enumerate(deepstack)}
+            for name, features in outputs.items():
+                for offset, part in enumerate(features.cpu().split(counts)):
+                    tensors[f"image.{first + offset}.{name}"] = part.clone()
+            grids.extend(batch_grids)
+            progress.update(len(grids))
+    elapsed = time.perf_counter() - start
+    progress.close()
+
+    metadata = {
+        "sources": json.dumps([item.source for item in inputs]),
+        "kinds": json.dumps([item.kind for item in inputs]),
+        "grid_thw": json.dumps(grids),
+        "model": model_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
+        "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
+    }
+    _write_atomically(output, tensors, metadata)
+    patches = sum(t * h * w for t, h, w in grids)
+    videos = sum(item.kind == "video" for item in inputs)
+    _log(
+        f"encoded {_plural(len(inputs) - videos, 'image')}, {_plural(videos, 'video')} ({patches} patches) in "
+        f"{elapsed:.2f} s, decoding included: {len(inputs) / elapsed:.2f} images/s, {patches / elapsed:.0f} patches/s"
+    )
+    _log(f"wrote {output} ({len(tensors)} tensors)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``qvl`` command; returns the exit status (argparse's own exits included)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        args.check(args)
+    except SystemExit as stop:  # argparse's --help and usage errors
+        return int(stop.code or 0)
+    try:
+        return args.run(args)
+    except CliError as error:
+        print(f"qvl: error: {str(error).replace(chr(10), ' ')}", file=sys.stderr)
+        return EXIT_USAGE
+    except torch.OutOfMemoryError:
+        print("qvl: error: out of memory while encoding; lower --batch-size or --max-pixels", file=sys.stderr)
+        return EXIT_RUNTIME
