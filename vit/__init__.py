@@ -1,6 +1,6 @@
 """qvl.vit: the Qwen3-VL vision tower on qvl kernels, its metadata, checkpoints and the transformers patch."""
 
-from .hf_patch import is_patched, patch_model
+from .hf_patch import is_patched, patch_model, register_attention
 from .metadata import VisionMetadata, build_metadata
 from .model import VisionConfig, VisionTransformer, tower_forward
 
@@ -11,5 +11,6 @@ __all__ = [
     "build_metadata",
     "is_patched",
     "patch_model",
+    "register_attention",
     "tower_forward",
 ]

@@ -16,7 +16,7 @@ from torch import nn
 from .metadata import build_metadata
 from .model import VisionConfig, tower_forward
 
-__all__ = ["patch_model", "is_patched", "SUPPORTED_MODELS"]
+__all__ = ["ATTENTION_NAME", "patch_model", "is_patched", "register_attention", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = (
     "Qwen3VLForConditionalGeneration",
@@ -28,6 +28,8 @@ SUPPORTED_MODELS = (
 )
 _VISION_MODELS = ("Qwen3VLVisionModel", "Qwen3VLMoeVisionModel")
 _MARK = "_qvl_patched"
+# No "flash" in the name: transformers would then look for a flash-attn kernel under it.
+ATTENTION_NAME = "qvl_vision"
 
 
 def _vision_module(model: nn.Module) -> nn.Module:
@@ -94,3 +96,27 @@ def patch_model(model: nn.Module) -> nn.Module:
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model``'s vision tower runs on qvl kernels."""
     return bool(getattr(_vision_module(model), _MARK, False))
+
+
+def _qvl_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface entry: one segment ``(1, H, S, D)`` per call, non-causal."""
+    if attention_mask is not None or kwargs.get("is_causal"):
+        raise ValueError(f"{ATTENTION_NAME}: only non-causal attention without a mask (the vision tower's) is supported")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, softmax_scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register qvl's attention in transformers' attention-function registry; returns its name.
+
+    Only the attention changes (the rest of the tower stays transformers' own, which splits the batch per
+    image on the host); :func:`patch_model` runs the whole tower on qvl instead. Use it for the vision
+    tower only, e.g. ``from_pretrained(path, attn_implementation={"vision_config": register_attention(),
+    "text_config": "sdpa", "": "sdpa"})``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _qvl_attention)
+    return ATTENTION_NAME

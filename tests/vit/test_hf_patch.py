@@ -6,7 +6,7 @@ from towers import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, full_config, hf_vision
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
 
 from qvl.kernels import force_backend
-from qvl.vit import is_patched, patch_model
+from qvl.vit import is_patched, patch_model, register_attention
 
 GRID = [[1, 4, 6], [1, 2, 2]]
 
@@ -78,3 +78,17 @@ def test_dtype_cast_after_patching_keeps_working():
 def test_unsupported_model_raises_type_error():
     with pytest.raises(TypeError, match="supported: Qwen3VLForConditionalGeneration"):
         patch_model(torch.nn.Linear(2, 2))
+
+
+def test_registered_attention_implementation(tmp_path):
+    """qvl's attention through transformers' own registry, chosen for the vision config only."""
+    tiny_full_model(seed=5).save_pretrained(tmp_path)
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    implementation = {"vision_config": register_attention(), "text_config": "sdpa", "": "sdpa"}
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path, attn_implementation=implementation).eval()
+    assert model.model.visual.config._attn_implementation == "qvl_vision"
+    pixels, grid = pixel_values_for(GRID, seed=6), torch.tensor(GRID)
+    with torch.no_grad():
+        expected = reference.model.visual(pixels, grid_thw=grid).pooler_output
+        got = model.model.visual(pixels, grid_thw=grid).pooler_output
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
