@@ -62,9 +62,9 @@ def _rank_main(spec_path: str) -> None:
     def load(mode, **kwargs):
         return VisionTransformer.from_pretrained(spec["checkpoint"], parallel=mode, **kwargs).eval()
 
-    def record_error(name, call):
+    def record_error(name, call, *args, **kwargs):
         try:
-            call()
+            call(*args, **kwargs)
         except (ValueError, RuntimeError) as error:
             results[f"error/{name}"] = f"{type(error).__name__}: {error}"
         else:
@@ -84,7 +84,7 @@ def _rank_main(spec_path: str) -> None:
         )
 
         if rank == 2:
-            record_error("not_a_member", lambda: load("data", group=pair))
+            record_error("not_a_member", load, "data", group=pair)
         else:
             towers = {mode: load(mode, group=pair) for mode in ("weights", "data")}
             with force_backend("interpreter"):
@@ -101,12 +101,12 @@ def _rank_main(spec_path: str) -> None:
 
             for mode, tower in towers.items():
                 mine = inputs["images"] if rank == 0 else inputs["one_image"]
-                record_error(f"different/{mode}", lambda: tower(*mine))
+                record_error(f"different/{mode}", tower, *mine)
                 mine = inputs["invalid"] if rank == 1 else inputs["one_image"]
-                record_error(f"invalid_on_one_rank/{mode}", lambda: tower(*mine))
+                record_error(f"invalid_on_one_rank/{mode}", tower, *mine)
             config = VisionConfig(depth=1, hidden_size=48, num_heads=3, intermediate_size=64, out_hidden_size=32,
                                   deepstack_visual_indexes=())  # fmt: skip
-            record_error("indivisible_heads", lambda: VisionTransformer(config, parallel="weights", group=pair))
+            record_error("indivisible_heads", VisionTransformer, config, parallel="weights", group=pair)
             # The pair is still in step after every error above.
             results["after_errors"] = towers["data"](*inputs["video"])
     torch.save(results, Path(spec["out"]) / f"rank{rank}.pt")
@@ -160,7 +160,9 @@ def ranks(setup) -> list[dict]:
     """What each of the three ranks saved."""
     root = setup["root"]
     spec = root / "spec.json"
-    spec.write_text(json.dumps(dict(checkpoint=str(root / "checkpoint"), inputs=str(root / "inputs.pt"), out=str(root))))
+    spec.write_text(
+        json.dumps(dict(checkpoint=str(root / "checkpoint"), inputs=str(root / "inputs.pt"), out=str(root)))
+    )
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",

@@ -1,0 +1,115 @@
+"""Data-parallel balancing simulator: how close each plan gets to the best possible split of a batch.
+
+    python -m bench.balance [--batches 200] [--seed 0]
+
+For seeded random batches (images only, and images mixed with videos) at world sizes 2, 4 and 8, prints
+the makespan (the dearest rank's cost under the tower's ``a*n + b*n^2`` segment cost, Qwen3-VL-8B
+dimensions) divided by its lower bound ``max(total / world, dearest segment)``, for qvl's balancer and
+for the engines' greedy split (whole entries, most patches first, to the rank with the fewest patches).
+1.00 is a perfect split; the bound is not always reachable, so no plan need reach it. Nothing runs on a
+device: this is arithmetic over plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+from qvl.vit.model import VisionConfig
+from qvl.vit.parallel import SegmentCost, balance, greedy_by_patches, lower_bound
+
+WORLD_SIZES = (2, 4, 8)
+
+
+def _image(rng: random.Random, low: int, high: int) -> tuple[int, int, int]:
+    """One frame of log-uniform patch count in [low, high] and aspect ratio in [1/2, 2], h and w even
+    (the 2x2 merge needs it)."""
+    patches = low * (high / low) ** rng.random()
+    aspect = 2.0 ** rng.uniform(-1.0, 1.0)
+    h = max(2, 2 * round((patches * aspect) ** 0.5 / 2))
+    w = max(2, 2 * round(patches / h / 2))
+    return h, w
+
+
+def image_batch(rng: random.Random) -> list[tuple[int, int, int]]:
+    """4 to 32 images of 256 to 16k patches."""
+    return [(1, *_image(rng, 256, 16384)) for _ in range(rng.randint(4, 32))]
+
+
+def mixed_batch(rng: random.Random) -> list[tuple[int, int, int]]:
+    """2 to 16 images as above and 1 to 4 videos of 8 to 64 temporal slices of 1k to 4k patches, shuffled."""
+    entries = [(1, *_image(rng, 256, 16384)) for _ in range(rng.randint(2, 16))]
+    entries += [(rng.randint(8, 64), *_image(rng, 1024, 4096)) for _ in range(rng.randint(1, 4))]
+    rng.shuffle(entries)
+    return entries
+
+
+SCENARIOS = {"images": image_batch, "images+videos": mixed_batch}
+
+
+def simulate(batches: int, seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> list[dict]:
+    """One row per (scenario, world size): mean and worst ratios to the lower bound, batches where qvl's
+    makespan exceeds greedy's, and the balancer's mean host time per batch."""
+    cost = SegmentCost.from_config(VisionConfig())
+    rows = []
+    for name, make in SCENARIOS.items():
+        for world in world_sizes:
+            rng = random.Random(f"{seed}-{name}-{world}")
+            qvl, greedy, worse, seconds = [], [], 0, 0.0
+            for _ in range(batches):
+                grid = make(rng)
+                bound = lower_bound(grid, world, cost)
+                start = time.perf_counter()
+                plan = balance(grid, world, cost)
+                seconds += time.perf_counter() - start
+                baseline = greedy_by_patches(grid, world, cost)
+                qvl.append(plan.makespan / bound)
+                greedy.append(baseline.makespan / bound)
+                worse += plan.makespan > baseline.makespan
+            rows.append(
+                dict(
+                    scenario=name,
+                    world=world,
+                    batches=batches,
+                    qvl_mean=statistics.fmean(qvl),
+                    qvl_worst=max(qvl),
+                    greedy_mean=statistics.fmean(greedy),
+                    greedy_worst=max(greedy),
+                    qvl_worse=worse,
+                    plan_ms=1e3 * seconds / batches,
+                )
+            )
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    header = (
+        f"{'scenario':<14} {'world':>5} {'batches':>7}  {'qvl mean':>8} {'qvl worst':>9}  "
+        f"{'greedy mean':>11} {'greedy worst':>12}  {'qvl>greedy':>10} {'plan ms':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['scenario']:<14} {r['world']:>5} {r['batches']:>7}  {r['qvl_mean']:>8.4f} {r['qvl_worst']:>9.4f}  "
+            f"{r['greedy_mean']:>11.4f} {r['greedy_worst']:>12.4f}  {r['qvl_worse']:>10} {r['plan_ms']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=200, help="random batches per scenario and world size")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = simulate(args.batches, args.seed)
+    cost = SegmentCost.from_config(VisionConfig())
+    print(f"makespan / lower bound; segment cost {cost.linear}*n + {cost.quadratic}*n^2 FLOPs (Qwen3-VL-8B tower)")
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
