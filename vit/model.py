@@ -367,6 +367,9 @@ class VisionTransformer(nn.Module):
         args = (pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights)
         if self._compiled_forward is None:
             return self._device_forward(*args)
+        if args[0].storage_offset() != 0:
+            # Dynamo guards on a view's storage offset; a fresh tensor keeps every batch on one graph.
+            args = (args[0].clone(),) + args[1:]
         for tensor in args:
             torch._dynamo.mark_dynamic(tensor, 0)
         # Size-oblivious tracing keeps token counts of 1 (one 2x2 image has one merged token) from

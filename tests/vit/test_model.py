@@ -93,6 +93,12 @@ def test_compile_no_recompiles_across_batches():
         with torch.compiler.set_stance("fail_on_recompile"):
             for grids in ([[1, 2, 2]], [[4, 8, 6], [1, 2, 2], [1, 2, 2]], [[1, 16, 12]] * 3, [[2, 2, 2]]):
                 assert_matches(tower, hf, grids, rtol=1e-4, atol=1e-5)
+            # A view into a larger buffer (a slice of a processor batch) uses the same graph.
+            grid = [[1, 4, 4]]
+            pixels = pixel_values_for([[1, 8, 8]])[40:56]
+            with torch.no_grad():
+                merged, _ = tower(pixels, grid)
+            torch.testing.assert_close(merged, hf_outputs(hf, pixels, grid)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_tower_through_the_interpreter():
