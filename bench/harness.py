@@ -234,13 +234,17 @@ def check_then_time(
     work: float,
     calls: Mapping[str, Sequence[Callable[[], Any]]],
     check: Callable[[str, Callable[[], Any]], float | None],
+    metric: str | None = None,
+    rep_ms: int = 100,
 ) -> dict[str, Record]:
     """Check every implementation of one case, then time those whose check ran.
 
     ``calls[name]`` holds one call per rotating input set; ``check(name, calls[name][0])`` returns the
     max relative error against qvl (None for qvl itself). All checks run before any timing, so an
     in-place implementation's timing loop cannot corrupt the inputs another check reads. An
-    implementation whose check raises is listed as skipped for this case.
+    implementation whose check raises is listed as skipped for this case. ``metric`` overrides the
+    report's for this case's work; ``rep_ms`` is the CUDA timing budget per implementation (calls that
+    take tens of ms need more than the default for a stable median).
     """
     errors: dict[str, float | None] = {}
     for name, impl_calls in calls.items():
@@ -250,7 +254,8 @@ def check_then_time(
             report.skipped[f"{name} ({case})"] = reason(exc)
     timed = {}
     for name, err in errors.items():
-        timed[name] = report.add(case, name, measure(calls[name], report.device), work, err)
+        timing = measure(calls[name], report.device, rep_ms=rep_ms)
+        timed[name] = report.add(case, name, timing, work, err, metric=metric)
     return timed
 
 
@@ -283,7 +288,7 @@ class Report:
     bench: str
     device: Device
     dtype: torch.dtype
-    metric: str  # "flops" or "bytes"
+    metric: str  # "flops" or "bytes": the default for records added without one
     baselines: Sequence[str]  # speedups are against the first of these that ran in a case
     records: list[Record] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -291,11 +296,20 @@ class Report:
     meta: dict[str, Any] = field(default_factory=dict)  # extra top-level JSON fields (peer versions)
 
     def add(
-        self, case: str, impl: str, timing: Timing, work: float, err: float | None = None, note: str = ""
+        self,
+        case: str,
+        impl: str,
+        timing: Timing,
+        work: float,
+        err: float | None = None,
+        note: str = "",
+        metric: str | None = None,
     ) -> Record:
-        unit, scale = METRICS[self.metric]
+        """One timed row; ``metric`` (default: the report's) says whether ``work`` counts FLOPs or bytes."""
+        metric = metric or self.metric
+        unit, scale = METRICS[metric]
         rate = work / (timing.ms * 1e-3) / scale
-        peak = self.device.peak(self.metric, self.dtype)
+        peak = self.device.peak(metric, self.dtype)
         record = Record(
             case, impl, timing.ms, timing.ms_lo, timing.ms_hi, float(work), rate, unit,
             share=rate / peak if peak else None,
@@ -314,13 +328,22 @@ class Report:
             r.baseline = base.impl if base else None
             r.speedup = base.ms / r.ms if base else None
 
+    def _units(self) -> list[str]:
+        """The rate units of the records, in METRICS order (the report's own when it has none)."""
+        used = {r.unit for r in self.records} or {METRICS[self.metric][0]}
+        return [unit for unit, _ in METRICS.values() if unit in used]
+
     def table(self) -> str:
-        unit = METRICS[self.metric][0]
+        # One unit heads the rate column; a report mixing units writes each row's unit beside its rate.
+        units = self._units()
+        mixed = len(units) > 1
         show_share = any(r.share is not None for r in self.records)
-        header = ["case", "impl", "ms", unit] + (["% peak"] if show_share else []) + ["speedup", "max rel err", "note"]
+        rate_header = "rate" if mixed else units[0]
+        header = ["case", "impl", "ms", rate_header] + (["% peak"] if show_share else [])
+        header += ["speedup", "max rel err", "note"]
         rows = []
         for r in self.records:
-            row = [r.case, r.impl, f"{r.ms:.4g}", f"{r.rate:.4g}"]
+            row = [r.case, r.impl, f"{r.ms:.4g}", f"{r.rate:.4g} {r.unit}" if mixed else f"{r.rate:.4g}"]
             if show_share:
                 row.append("-" if r.share is None else f"{100 * r.share:.1f}")
             row.append("-" if r.speedup is None else f"{r.speedup:.2f}x")
@@ -342,9 +365,10 @@ class Report:
         if not d.is_cuda:
             lines.append("CPU run: wall-clock times of the torch paths; meaningless for kernels")
         if d.peaks is not None:
-            peak = d.peak(self.metric, self.dtype)
-            if peak is not None:
-                lines.append(f"% peak of {peak:g} {METRICS[self.metric][0]} ({d.peaks.source})")
+            for metric, (unit, _) in METRICS.items():
+                peak = d.peak(metric, self.dtype) if unit in self._units() else None
+                if peak is not None:
+                    lines.append(f"% peak of {peak:g} {unit} ({d.peaks.source})")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         lines += self.notes
         bases = sorted({r.baseline for r in self.records if r.baseline})

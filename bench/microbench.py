@@ -11,6 +11,7 @@ benchmark's ``extra_info`` carries its useful work (``flop`` or ``bytes``) for r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from . import bench_attention, bench_rotary, harness
+from . import bench_attention, bench_merger, bench_pos_embed, bench_rotary, harness
 from .workloads import Grid, seqlens
 
 DEVICE = harness.get_device()
@@ -35,6 +36,11 @@ def _id(prefix: str, grids: Sequence[Grid]) -> str:
     """Test ids usable in ``-k`` expressions (no '=', spaces or brackets): 8B-S4096, 8B-mixed8."""
     sizes = seqlens(grids)
     return f"{prefix}-S{sizes[0]}" if len(sizes) == 1 else f"{prefix}-mixed{len(sizes)}"
+
+
+def _key(name: str) -> str:
+    """An implementation or case name as a ``-k``-friendly id: 'hf gather+add' -> 'hf_gather_add'."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
 def _build(builders: dict[str, Callable[[], Any]], name: str) -> Any:
@@ -87,4 +93,41 @@ def test_rotary(benchmark, grids, impl: str) -> None:
     count = harness.rotation_count(bench_rotary.set_bytes(grids, DTYPE), DEVICE)
     sets = bench_rotary.make_inputs(grids, DEVICE, DTYPE, count)
     benchmark.extra_info["bytes"] = bench_rotary.min_bytes(sets[0])
+    _run(benchmark, [bind(s) for s in sets])
+
+
+POS_EMBED_IMPLS = {
+    "qvl": partial(bench_pos_embed.qvl_add, DEVICE),
+    "qvl_metadata": partial(bench_pos_embed.qvl_add, DEVICE, with_metadata=True),
+    **{_key(name): partial(build, DEVICE) for name, build in bench_pos_embed.PEERS.items()},
+}
+
+
+@pytest.mark.parametrize("impl", list(POS_EMBED_IMPLS))
+@pytest.mark.parametrize("grids", bench_pos_embed.cases(DEVICE, quick=False), ids=lambda g: _id("pos", g))
+def test_pos_embed(benchmark, grids, impl: str) -> None:
+    bind = _build(POS_EMBED_IMPLS, impl)
+    count = harness.rotation_count(bench_pos_embed.set_bytes(grids, DTYPE), DEVICE)
+    sets = bench_pos_embed.make_inputs(grids, DEVICE, DTYPE, count)
+    benchmark.extra_info["bytes"] = bench_pos_embed.min_bytes(sets[0])
+    _run(benchmark, [bind(s) for s in sets])
+
+
+MERGER_IMPLS = {
+    "qvl": partial(bench_merger.qvl_op, DEVICE),
+    "qvl_in_place": partial(bench_merger.qvl_op, DEVICE, in_place=True),
+    **{_key(name): partial(build, DEVICE) for name, build in bench_merger.PEERS.items()},
+}
+
+
+@pytest.mark.parametrize("impl", list(MERGER_IMPLS))
+@pytest.mark.parametrize("case", bench_merger.cases(DEVICE, quick=False), ids=lambda c: _key(c.name))
+def test_merger(benchmark, case: bench_merger.Case, impl: str) -> None:
+    if impl == "qvl_in_place" and case.op != "bias_gelu":
+        pytest.skip("only bias_gelu has an in-place variant")
+    bind = _build(MERGER_IMPLS, impl)
+    count = harness.rotation_count(bench_merger.set_bytes(case, DTYPE), DEVICE)
+    sets = bench_merger.make_inputs(case, DEVICE, DTYPE, count)
+    work, metric = bench_merger.min_work(sets[0])
+    benchmark.extra_info["flop" if metric == "flops" else "bytes"] = work
     _run(benchmark, [bind(s) for s in sets])

@@ -1,4 +1,4 @@
-"""Qwen3-VL vision-tower shapes the benchmarks run on.
+"""Qwen3-VL vision-tower shapes the benchmarks run on, and random weights for the modules they build.
 
 Images are patch grids ``(h, w)`` (one temporal slice each; h and w even, as the 2x2 spatial merge
 requires). Tokens are in the processor's merge-block order, so rotary positions here are the ones the
@@ -68,3 +68,21 @@ def positions(grids: Sequence[Grid], device: torch.device) -> torch.Tensor:
         cols = torch.arange(w).view(1, w // 2, 1, 2).expand(h // 2, w // 2, 2, 2)
         per_image.append(torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1))
     return torch.cat(per_image).to(device=device, dtype=torch.int32)
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights of a sane scale, drawn on the module's device: LayerNorm scales near 1 (a norm
+    left at exactly 1 and 0 hides mistakes), small biases, other weights scaled by 1/sqrt(fan in) so
+    activations keep their size through a deep tower."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                noise = 1 + 0.1 * noise
+            elif name.endswith("bias"):
+                noise = 0.02 * noise
+            else:
+                noise = noise * param[0].numel() ** -0.5
+            param.copy_(noise)
+    return module

@@ -12,7 +12,16 @@ import pytest
 # bench/ is a plain directory run from the repository root, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import bench_attention, bench_rotary, harness  # noqa: E402
+from bench import (  # noqa: E402
+    bench_attention,
+    bench_merger,
+    bench_pos_embed,
+    bench_rotary,
+    bench_tower,
+    harness,
+    run_all,
+)
+from bench.workloads import label  # noqa: E402
 
 CPU = harness.get_device("cpu")
 
@@ -23,7 +32,9 @@ def run_cpu(module, tmp_path: Path, capsys) -> tuple[dict, str]:
     return json.loads(path.read_text()), capsys.readouterr().out
 
 
-def check_records(data: dict, expected: set[tuple[str, str]], baseline: str) -> None:
+def check_records(data: dict, expected: set[tuple[str, str]], baseline: str, reference: str = "qvl") -> None:
+    """Exactly the expected (case, impl) rows, with finite positive numbers; errors are measured
+    against ``reference``, which has none of its own."""
     assert {(r["case"], r["impl"]) for r in data["records"]} == expected
     for r in data["records"]:
         for key in ("ms", "ms_lo", "ms_hi", "work", "rate", "speedup"):
@@ -32,7 +43,7 @@ def check_records(data: dict, expected: set[tuple[str, str]], baseline: str) -> 
         assert r["baseline"] == baseline
         assert r["share"] is None  # no peaks for a CPU
         assert r["agrees"], r
-        if r["impl"] == "qvl":
+        if r["impl"] == reference:
             assert r["max_rel_err"] is None
         else:
             assert math.isfinite(r["max_rel_err"]) and r["max_rel_err"] >= 0
@@ -74,3 +85,88 @@ def test_rotary_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         tokens = int(r["case"].removeprefix("T="))
         assert r["work"] == 2 * (2 * tokens * 16 * 72 * 2) + tokens * 2 * 4  # q, k (bf16) read and written; positions
     check_table_last(out, names[-1], "hf eager")
+
+
+def test_pos_embed_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data, out = run_cpu(bench_pos_embed, tmp_path, capsys)
+    check_meta(data, "pos_embed")
+    all_grids = bench_pos_embed.cases(CPU, quick=True)
+    names = [label(grids) for grids in all_grids]
+    impls = ("qvl", "qvl+metadata", "hf eager", "hf gather+add")
+    check_records(data, {(c, i) for c in names for i in impls}, baseline="hf eager")
+    for peer in ("hf compiled", "hf compiled gather+add"):
+        assert data["skipped"][peer] == "CPU run: torch paths only"
+    for grids in all_grids:
+        tokens = sum(h * w for h, w in grids)
+        # hidden (bf16, C = 1152) read and written, int32 indices and fp32 weights (4 taps), the 48x48 table
+        work = 2 * tokens * 1152 * 2 + 2 * tokens * 4 * 4 + 48 * 48 * 1152 * 2
+        assert {r["work"] for r in data["records"] if r["case"] == label(grids)} == {work}
+    check_table_last(out, names[-1], "hf gather+add")
+
+
+def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data, out = run_cpu(bench_merger, tmp_path, capsys)
+    check_meta(data, "merger")
+    all_cases = bench_merger.cases(CPU, quick=True)
+    assert {c.op for c in all_cases} == {"layer_norm", "add_layer_norm", "bias_gelu", "merger"}
+    expected = set()
+    for case in all_cases:
+        impls = ("qvl", "qvl in-place", "eager") if case.op == "bias_gelu" else ("qvl", "eager")
+        expected |= {(case.name, impl) for impl in impls}
+    check_records(data, expected, baseline="eager")
+    assert data["skipped"]["compiled"] == "CPU run: torch paths only"
+    units = {c.name: "TFLOP/s" if c.op == "merger" else "GB/s" for c in all_cases}
+    assert all(r["unit"] == units[r["case"]] for r in data["records"])
+    norm = next(c for c in all_cases if c.op == "layer_norm")
+    norm_work = 2 * norm.rows * norm.cols * 2 + 2 * norm.cols * 2  # x read, y written, weight and bias (bf16)
+    assert {r["work"] for r in data["records"] if r["case"] == norm.name} == {norm_work}
+    # Rows of both units share one table: each rate carries its unit.
+    assert re.search(r"\sGB/s\s", out) and re.search(r"\sTFLOP/s\s", out)
+    check_table_last(out, all_cases[-1].name, "eager")
+
+
+def test_tower_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data, out = run_cpu(bench_tower, tmp_path, capsys)
+    check_meta(data, "tower")
+    all_cases = bench_tower.cases(CPU, quick=True)
+    names = [case.name for case in all_cases]
+    check_records(data, {(c, i) for c in names for i in ("qvl", "hf sdpa")}, baseline="hf sdpa", reference="hf sdpa")
+    for peer in ("qvl compiled", "hf flash_attention_2"):
+        assert data["skipped"][peer] == "CPU run: torch paths only"
+    for case in all_cases:
+        rows = [r for r in data["records"] if r["case"] == case.name]
+        assert {r["work"] for r in rows} == {bench_tower.tower_flops(case.config, case.workload.grid_thw)}
+        for r in rows:
+            throughput, unit = data["throughput"][case.name][r["impl"]]
+            assert unit == case.workload.unit and throughput == pytest.approx(case.workload.items / (r["ms"] * 1e-3))
+            assert r["note"].startswith(f"{throughput:.4g} {unit}, peak -")
+            assert data["peak_memory_bytes"][case.name][r["impl"]] is None  # torch cannot measure CPU memory
+    check_table_last(out, names[-1], "hf sdpa")
+
+
+def test_tower_flops_counts_the_8b_tower() -> None:
+    """A 64x64-patch image on the 8B tower, counted by hand from the model's shapes."""
+    t, c, inter, out, heads = 4096, 1152, 4304, 4096, 16
+    blocks = 27 * (2 * t * (3 * c * c + c * c + 2 * c * inter) + 4 * heads * (c // heads) * t * t)
+    mergers = 4 * 2 * (t // 4) * (4 * c * 4 * c + 4 * c * out)
+    patch_embed = 2 * t * 1536 * c
+    config = bench_tower.TOWERS["8B"]
+    assert bench_tower.tower_flops(config, [(1, 64, 64)]) == patch_embed + blocks + mergers
+
+
+def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> None:
+    assert list(run_all.MODULES) == ["attention", "rotary", "pos_embed", "merger", "tower"]
+    assert run_all.parse_args(["--only", "tower, pos_embed"]).names == ["tower", "pos_embed"]
+    assert run_all.parse_args([]).names == list(run_all.MODULES)
+    with pytest.raises(SystemExit):
+        run_all.parse_args(["--only", "tower,nope"])
+    assert "--only takes names from" in capsys.readouterr().err
+
+
+def test_run_all_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run_all.main(["--device", "cpu", "--only", "pos_embed", "--json-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("pos_embed-cpu-*.json")
+    assert json.loads(path.read_text())["bench"] == "pos_embed"
+    out = capsys.readouterr().out
+    assert "=== all results" in out
+    check_table_last(out, label(bench_pos_embed.cases(CPU, quick=True)[-1]), "hf gather+add")

@@ -233,10 +233,10 @@ class _Progress:
 
     WIDTH = 30
 
-    def __init__(self, total: int, stream=None):
+    def __init__(self, total: int, stream=None, enabled: bool = True):
         self.total = total
         self.stream = sys.stderr if stream is None else stream
-        self.enabled = self.stream.isatty()
+        self.enabled = enabled and self.stream.isatty()
         self.start = time.perf_counter()
         self.update(0)  # shown before the first batch, which can be slow (compilation, warm-up)
 
@@ -315,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"largest resized image, in pixels (default: %(default)s; Qwen3-VL: {QWEN3_VL_MAX_PIXELS})",
     )
+    encode.add_argument(
+        "--parallel",
+        choices=("data", "weights"),
+        help="run across the ranks torchrun starts (torchrun --nproc-per-node N -m qvl.vit encode ...): "
+        "'data' splits the batch over ranks, 'weights' shards the layers; rank 0 prints and writes the output",
+    )
     encode.set_defaults(run=_run_encode, check=_check_encode_args, subparser=encode)
     return parser
 
@@ -346,13 +352,20 @@ def _check_output(path: Path) -> None:
         raise CliError(f"{path.parent}: no such directory (for --output {path})")
 
 
-def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device):
-    """The tower and its name for the output's metadata."""
+def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device, parallel: str | None = None):
+    """The tower (in ``parallel`` mode across the default process group) and its name for the metadata."""
     if model is None:
-        tower = VisionTransformer(EMBEDDED_CONFIG).init_random_weights(EMBEDDED_SEED)
-        return tower.to(dtype=dtype, device=device), "embedded-random"
+        full = VisionTransformer(EMBEDDED_CONFIG).init_random_weights(EMBEDDED_SEED)
+        if parallel is None:
+            return full.to(dtype=dtype, device=device), "embedded-random"
+        try:
+            tower = VisionTransformer(EMBEDDED_CONFIG, parallel=parallel, dtype=dtype, device=device)
+        except (ValueError, RuntimeError) as error:
+            raise CliError(f"--parallel {parallel}: {error}") from None
+        tower.load_full_state_dict(full.state_dict())
+        return tower, "embedded-random"
     try:
-        tower = VisionTransformer.from_pretrained(model, dtype=dtype, device=device)
+        tower = VisionTransformer.from_pretrained(model, dtype=dtype, device=device, parallel=parallel)
     except CheckpointError as error:
         raise CliError(str(error)) from None
     # A readable checkpoint can still hold a config or tensors that do not make a tower.
@@ -390,6 +403,10 @@ def _log(message: str) -> None:
     print(f"qvl: {message}", file=sys.stderr, flush=True)
 
 
+def _quiet(message: str) -> None:
+    """Ranks other than 0 print nothing."""
+
+
 def _check_extras() -> None:
     try:
         import PIL  # noqa: F401
@@ -400,7 +417,27 @@ def _check_extras() -> None:
 
 def _run_encode(args: argparse.Namespace) -> int:
     _check_extras()
-    device = _resolve_device(args.device)
+    if args.parallel is None:
+        return _encode(args, _resolve_device(args.device))
+    import torch.distributed as dist
+
+    from .parallel import init_from_env
+
+    if "WORLD_SIZE" not in os.environ:
+        raise CliError("--parallel needs the ranks of a launcher: torchrun --nproc-per-node N -m qvl.vit encode ...")
+    joined = not dist.is_initialized()
+    device = init_from_env(_resolve_device(args.device))
+    try:
+        return _encode(args, device)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def _encode(args: argparse.Namespace, device: torch.device) -> int:
+    from .parallel import is_main_rank
+
+    log = _log if is_main_rank() else _quiet
     dtype = _DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     try:
         backend = backend_for(device)
@@ -410,23 +447,23 @@ def _run_encode(args: argparse.Namespace) -> int:
     _check_output(output)
     inputs = _collect_inputs(args.images, args.video)
 
-    tower, model_name = _load_tower(args.model, dtype, device)
+    tower, model_name = _load_tower(args.model, dtype, device, args.parallel)
     config = tower.config
     if args.model is None:
-        _log(
+        log(
             f"model: embedded random default ({_describe(config)}; random weights, seed {EMBEDDED_SEED}: "
             "features carry no meaning; pass --model DIR for a real checkpoint)"
         )
     else:
-        _log(f"model: {args.model} ({_describe(config)})")
-    _log(f"backend: {_BACKEND_NAMES[backend]} on {device}, {str(dtype).removeprefix('torch.')}")
+        log(f"model: {args.model} ({_describe(config)})")
+    log(f"backend: {_BACKEND_NAMES[backend]} on {device}, {str(dtype).removeprefix('torch.')}")
     if args.compile:
         tower.compile()
     prepare = _Preparer(config, args.min_pixels, args.max_pixels)
 
     tensors: dict[str, torch.Tensor] = {}
     grids: list[list[int]] = []
-    progress = _Progress(len(inputs))
+    progress = _Progress(len(inputs), enabled=is_main_rank())
     start = time.perf_counter()
     with torch.no_grad():
         for first in range(0, len(inputs), args.batch_size):
@@ -455,14 +492,15 @@ def _run_encode(args: argparse.Namespace) -> int:
         "backend": backend,
         "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
     }
-    _write_atomically(output, tensors, metadata)
+    if is_main_rank():
+        _write_atomically(output, tensors, metadata)
     patches = sum(t * h * w for t, h, w in grids)
     videos = sum(item.kind == "video" for item in inputs)
-    _log(
+    log(
         f"encoded {_plural(len(inputs) - videos, 'image')}, {_plural(videos, 'video')} ({patches} patches) in "
         f"{elapsed:.2f} s, decoding included: {len(inputs) / elapsed:.2f} images/s, {patches / elapsed:.0f} patches/s"
     )
-    _log(f"wrote {output} ({len(tensors)} tensors)")
+    log(f"wrote {output} ({len(tensors)} tensors)" + (f", {args.parallel}-parallel" if args.parallel else ""))
     return 0
 
 

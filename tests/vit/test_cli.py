@@ -285,3 +285,28 @@ def test_python_dash_m_entry_point_with_default_pixel_bounds(images, tmp_path):
     # Qwen3-VL's min_pixels (256*256) scales the 32x32 image up to 256x256: 16x16 patches, 64 merged rows
     assert json.loads(metadata["grid_thw"]) == [[1, 16, 16]]
     assert tensors["image.0.merged"].shape == (64, cli.EMBEDDED_CONFIG.out_hidden_size)
+
+
+def test_torchrun_weights_parallel_equals_single_process(images, tmp_path):
+    """`torchrun --nproc-per-node 2 -m qvl.vit encode --parallel weights`: rank 0 writes what one process would."""
+    single, sharded = tmp_path / "single.safetensors", tmp_path / "sharded.safetensors"
+    assert encode(images[0], images[2], "-o", single) == 0
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "qvl.vit", "encode", str(images[0]), str(images[2]),
+               "--parallel", "weights", "-o", str(sharded)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("qvl: wrote") == 1 and "weights-parallel" in result.stderr
+    expected, _ = read_output(single)
+    got, _ = read_output(sharded)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_without_a_launcher_exits_2(images, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert encode(images[0], "--parallel", "data", "-o", tmp_path / "x.safetensors") == 2
+    assert "torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -1,0 +1,271 @@
+"""LayerNorm, bias + GELU and the patch merger: qvl's ops against eager torch and ``torch.compile`` of it.
+
+Cases at Qwen3-VL-8B widths for T patches:
+
+* ``layer_norm`` T x 1152 (the blocks' norm1/norm2, the main merger's norm) and T/4 x 4608 (the
+  deepstack mergers' post-shuffle norm), against ``F.layer_norm``;
+* ``add_layer_norm`` T x 1152 (residual add fused with the next norm), against ``h = x + d`` then
+  ``F.layer_norm(h)``;
+* ``bias_gelu`` tanh at T x 4304 (the blocks' MLP) and erf at T/4 x 4608 (the mergers' fc1), qvl out of
+  place and in place (``bias_gelu_``, the epilogue qvl runs after a bias-less fc1), against
+  ``F.gelu(x + b)``;
+* the whole ``merger`` and ``deepstack merger``: qvl's ``patch_merger`` against transformers'
+  ``Qwen3VLVisionPatchMerger`` (8B shape, random weights).
+
+    python -m bench.bench_merger [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
+
+Norm and GELU rates are GB/s of the minimum traffic (inputs read once, outputs written once, the
+parameter vectors once); merger rates are TFLOP/s of its two matmuls. On a CPU only the eager paths
+run, on few tokens, and the mergers at a tiny width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
+from qvl.kernels.merger import patch_merger
+
+from . import harness
+from .harness import Device, Report, RunConfig
+from .workloads import MODELS, randomize
+
+HIDDEN = MODELS["8B"].hidden
+MERGED = 4 * HIDDEN  # 2x2 spatial merge
+INTERMEDIATE = 4304
+OUT_HIDDEN = 4096
+TINY_HIDDEN, TINY_OUT = 128, 64  # CPU mergers: their matmuls would dominate a CPU smoke run at 8B
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "layer_norm", "add_layer_norm", "bias_gelu" or "merger"
+    rows: int
+    cols: int
+    variant: str = ""  # bias_gelu: "tanh" or "none"; merger: "main" or "deepstack"
+    out: int = 0  # merger output width
+
+    @property
+    def name(self) -> str:
+        if self.op == "merger":
+            return f"{'' if self.variant == 'main' else 'deepstack '}merger T={self.rows} C={self.cols}"
+        gelu = {"tanh": " tanh", "none": " erf"}.get(self.variant, "")
+        return f"{self.op}{gelu} {self.rows}x{self.cols}"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    case: Case
+    x: torch.Tensor
+    delta: torch.Tensor | None  # add_layer_norm's residual branch
+    weight: torch.Tensor | None  # norm scale
+    bias: torch.Tensor | None  # norm or GELU bias
+    merger: nn.Module | None  # transformers' Qwen3VLVisionPatchMerger, shared by every set of a case
+
+
+Bind = Callable[[Inputs], Callable[[], object]]
+
+
+def cases(device: Device, quick: bool) -> list[Case]:
+    if not device.is_cuda:
+        return cases_at(64, TINY_HIDDEN, TINY_OUT)
+    return [case for t in ((1024, 16384) if quick else (1024, 4096, 16384)) for case in cases_at(t)]
+
+
+def cases_at(tokens: int, merger_hidden: int = HIDDEN, merger_out: int = OUT_HIDDEN) -> list[Case]:
+    """Every op at the sizes one batch of ``tokens`` patches gives it."""
+    return [
+        Case("layer_norm", tokens, HIDDEN),
+        Case("layer_norm", tokens // 4, MERGED),
+        Case("add_layer_norm", tokens, HIDDEN),
+        Case("bias_gelu", tokens, INTERMEDIATE, "tanh"),
+        Case("bias_gelu", tokens // 4, MERGED, "none"),
+        Case("merger", tokens, merger_hidden, "main", merger_out),
+        Case("merger", tokens, merger_hidden, "deepstack", merger_out),
+    ]
+
+
+def make_merger(case: Case, device: Device, dtype: torch.dtype) -> nn.Module:
+    from transformers import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
+
+    config = Qwen3VLVisionConfig(hidden_size=case.cols, out_hidden_size=case.out, spatial_merge_size=2)
+    with torch.device(device.torch_device):
+        module = Qwen3VLVisionPatchMerger(config, use_postshuffle_norm=case.variant == "deepstack")
+    return randomize(module.to(dtype).eval().requires_grad_(False))
+
+
+def make_inputs(case: Case, device: Device, dtype: torch.dtype, count: int = 1) -> list[Inputs]:
+    """``count`` sets of random activations sharing one set of parameters."""
+    dev = device.torch_device
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+
+    weight = 1 + 0.1 * randn(case.cols) if "layer_norm" in case.op else None
+    bias = 0.1 * randn(case.cols) if case.op != "merger" else None
+    merger = make_merger(case, device, dtype) if case.op == "merger" else None
+    sets = []
+    for _ in range(count):
+        x = randn(case.rows, case.cols)
+        delta = randn(case.rows, case.cols) if case.op == "add_layer_norm" else None
+        sets.append(Inputs(case, x, delta, weight, bias, merger))
+    return sets
+
+
+def set_bytes(case: Case, dtype: torch.dtype) -> int:
+    return (2 if case.op == "add_layer_norm" else 1) * case.rows * case.cols * dtype.itemsize
+
+
+def min_work(x: Inputs) -> tuple[float, str]:
+    """The case's useful work and its metric: bytes for the memory-bound ops, FLOPs for the merger."""
+    if x.case.op == "merger":
+        rows, width = x.x.shape[0] // 4, 4 * x.case.cols
+        return 2.0 * rows * width * (width + x.case.out), "flops"
+    io = 4 if x.case.op == "add_layer_norm" else 2  # add_layer_norm reads x and d, writes h and y
+    params = harness.tensor_bytes(*(t for t in (x.weight, x.bias) if t is not None))
+    return float(io * harness.tensor_bytes(x.x) + params), "bytes"
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------------
+def qvl_merger(x: Inputs) -> torch.Tensor:
+    m = x.merger
+    return patch_merger(
+        x.x, m.norm.weight, m.norm.bias, m.linear_fc1.weight, m.linear_fc1.bias, m.linear_fc2.weight,
+        m.linear_fc2.bias, spatial_merge_size=2, postshuffle_norm=m.use_postshuffle_norm, eps=m.norm.eps,
+    )  # fmt: skip
+
+
+QVL_OPS: dict[str, Callable[[Inputs], object]] = {
+    "layer_norm": lambda x: torch.ops.qvl.layer_norm(x.x, x.weight, x.bias, EPS),
+    "add_layer_norm": lambda x: torch.ops.qvl.add_layer_norm(x.x, x.delta, x.weight, x.bias, EPS),
+    "bias_gelu": lambda x: torch.ops.qvl.bias_gelu(x.x, x.bias, x.case.variant),
+    "merger": qvl_merger,
+}
+
+
+def qvl_op(device: Device, in_place: bool = False) -> Bind:
+    """qvl's op for the case; ``in_place``: ``bias_gelu_`` (bias_gelu cases only)."""
+
+    def bind(x: Inputs) -> Callable[[], object]:
+        def call() -> object:
+            with harness.qvl_path(device):
+                if in_place:
+                    return torch.ops.qvl.bias_gelu_(x.x, x.bias, x.case.variant)
+                return QVL_OPS[x.case.op](x)
+
+        return call
+
+    return bind
+
+
+def eager_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], weight, bias, EPS)
+
+
+def eager_add_layer_norm(x, delta, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + delta
+    return h, F.layer_norm(h, h.shape[-1:], weight, bias, EPS)
+
+
+def eager_bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(x + bias, approximate=approximate)
+
+
+def torch_peer(device: Device, compiled: bool = False) -> Bind:
+    """The eager torch a model runs for the case (transformers' module for the mergers), or its compile."""
+    if compiled:
+        harness.require_cuda(device)
+        # Each case is a new static shape; stay below dynamo's recompile limit rather than fall back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    functions: dict[object, Callable] = {}  # compiled once per op, and per merger module
+
+    def bind(x: Inputs) -> Callable[[], object]:
+        op = x.case.op
+        fn, args = {
+            "layer_norm": (eager_layer_norm, (x.x, x.weight, x.bias)),
+            "add_layer_norm": (eager_add_layer_norm, (x.x, x.delta, x.weight, x.bias)),
+            "bias_gelu": (eager_bias_gelu, (x.x, x.bias, x.case.variant)),
+            "merger": (x.merger, (x.x,)),
+        }[op]
+        key = x.merger if op == "merger" else op
+        if key not in functions:
+            functions[key] = torch.compile(fn, dynamic=False) if compiled else fn
+        return partial(functions[key], *args)
+
+    return bind
+
+
+PEERS: dict[str, Callable[[Device], Bind]] = {
+    "eager": torch_peer,
+    "compiled": partial(torch_peer, compiled=True),
+}
+BASELINES = ("eager",)
+
+
+# --------------------------------------------------------------------------------------------------
+# Run
+# --------------------------------------------------------------------------------------------------
+def outputs(result: object) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device, dtype: torch.dtype) -> None:
+    sets = make_inputs(case, device, dtype, harness.rotation_count(set_bytes(case, dtype), device))
+    impls = {"qvl": qvl_op(device)}
+    if case.op == "bias_gelu":
+        impls["qvl in-place"] = qvl_op(device, in_place=True)
+    impls.update(peers)
+    ref = outputs(impls["qvl"](sets[0])())
+
+    def check(name: str, call: Callable[[], object]) -> float | None:
+        if name == "qvl":
+            return None
+        if name == "qvl in-place":
+            # Overwrites its input: run it on a copy, so the timed sets stay as made.
+            x = replace(sets[0], x=sets[0].x.clone())
+            impls[name](x)()
+            got = (x.x,)
+        else:
+            got = outputs(call())
+        return max(harness.max_rel_err(g, r) for g, r in zip(got, ref, strict=True))
+
+    calls = {name: [bind(s) for s in sets] for name, bind in impls.items()}
+    work, metric = min_work(sets[0])
+    harness.check_then_time(report, case.name, work, calls, check, metric=metric)
+
+
+def benchmark(config: RunConfig) -> Report:
+    device, dtype = config.device, config.dtype
+    report = Report("merger", device, dtype, "bytes", BASELINES)
+    trial = make_inputs(Case("layer_norm", 8, 64), device, dtype)[0]
+    peers, report.skipped = harness.peers(
+        {name: partial(build, device) for name, build in PEERS.items()}, lambda bind: bind(trial)()
+    )
+    report.notes.append(
+        "eager: F.layer_norm; x + d then F.layer_norm; F.gelu(x + b); transformers' Qwen3VLVisionPatchMerger. "
+        "compiled: torch.compile of the same (dynamic=False)"
+    )
+    report.notes.append("goal (H200): qvl layer_norm >= 85% of the copy peak")
+    for case in cases(device, config.quick):
+        print(f"merger: {case.name}", flush=True)
+        run_case(report, case, peers, device, dtype)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> Report:
+    return harness.main(__doc__, benchmark, argv)
+
+
+if __name__ == "__main__":
+    main()

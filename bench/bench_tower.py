@@ -1,0 +1,282 @@
+"""The whole vision tower, pixels to merged tokens: qvl's ``VisionTransformer`` (eager and
+``tower.compile()``) against transformers' ``Qwen3VLVisionModel`` with SDPA and, where flash-attn is
+installed, FlashAttention-2.
+
+Every implementation of a model is built from the same random weights: a transformers tower is
+randomized, and qvl's towers are ``VisionTransformer.from_hf`` copies of it. Each call is a whole
+forward as a caller makes it, per-batch metadata included (qvl builds it on the host from a CPU
+``grid_thw``; transformers from the device ``grid_thw``, with host syncs). Before any timing each
+output (merged tokens and deepstack features) is checked against transformers+SDPA.
+
+Workloads: one 1024x1024 image (64x64 patches), a batch of 8 mixed images (16016 patches) and a
+16-frame 512x512 video (grid 8x32x32), on Qwen3-VL-2B and -8B shapes.
+
+    python -m bench.bench_tower [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
+
+Rates are TFLOP/s of the tower's matmuls and attention (useful work, true head dim). Notes give
+images (or frames) per second and peak memory: what ``torch.cuda.max_memory_allocated()`` would read
+with only that implementation loaded, i.e. its weights and the inputs plus the forward's measured
+rise above them. On a CPU a tiny tower (depth 2, hidden 128) runs the torch paths, and memory is not
+measured ("-").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from qvl.vit.model import VisionConfig, VisionTransformer
+
+from . import harness
+from .harness import Device, Report, RunConfig
+from .workloads import MIXED_8, MIXED_TINY, randomize
+
+Output = tuple[torch.Tensor, list[torch.Tensor]]  # merged tokens, deepstack features
+GiB = 2**30
+
+TOWERS = {
+    "2B": VisionConfig(
+        depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096, out_hidden_size=2048,
+        deepstack_visual_indexes=(5, 11, 17),
+    ),
+    "8B": VisionConfig(),
+}  # fmt: skip
+TINY = VisionConfig(depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=64,
+                    deepstack_visual_indexes=(0,))  # fmt: skip
+REFERENCE = "hf sdpa"
+BASELINES = ("hf flash_attention_2", REFERENCE)
+ORDER = ("qvl", "qvl compiled", REFERENCE, "hf flash_attention_2")  # rows of a case, top down
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    grid_thw: tuple[tuple[int, int, int], ...]
+    items: int  # images, or video frames (two per temporal patch)
+    unit: str
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    config: VisionConfig
+    workload: Workload
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.workload.name}"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    pixels: torch.Tensor  # (T, 3 * 2 * 16 * 16) patches in merge-block order
+    grid_host: torch.Tensor  # (N, 3) int64 on the CPU
+    grid_device: torch.Tensor  # the same on the device, as a model's forward receives it
+
+
+@dataclass(frozen=True)
+class Impl:
+    module: nn.Module  # whose parameters and buffers count as this implementation's weights
+    run: Callable[[Inputs], Output]
+
+
+def workloads(device: Device) -> list[Workload]:
+    if not device.is_cuda:
+        return [
+            Workload("1 img 8x8", ((1, 8, 8),), 1, "img/s"),
+            Workload("4 imgs mixed", tuple((1, h, w) for h, w in MIXED_TINY), len(MIXED_TINY), "img/s"),
+            Workload("video 4 frames 4x4", ((2, 4, 4),), 4, "frames/s"),
+        ]  # fmt: skip
+    return [
+        Workload("1 img 1024x1024", ((1, 64, 64),), 1, "img/s"),
+        Workload("8 imgs mixed", tuple((1, h, w) for h, w in MIXED_8), 8, "img/s"),
+        Workload("video 16 frames 512x512", ((8, 32, 32),), 16, "frames/s"),
+    ]
+
+
+def cases(device: Device, quick: bool) -> list[Case]:
+    if not device.is_cuda:
+        return [Case("tiny", TINY, w) for w in workloads(device)]
+    models = ("8B",) if quick else ("2B", "8B")
+    return [Case(m, TOWERS[m], w) for m in models for w in workloads(device)]
+
+
+def make_inputs(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]], device: Device, dtype) -> Inputs:
+    dev = device.torch_device
+    grid = torch.tensor(grid_thw, dtype=torch.int64)
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=gen, device=dev, dtype=dtype)
+    return Inputs(pixels, grid, grid.to(dev))
+
+
+def tower_flops(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]]) -> float:
+    """Useful FLOPs of one forward: patch embed, per block qkv/proj/MLP and attention, the mergers."""
+    tokens = sum(t * h * w for t, h, w in grid_thw)
+    c, inter = config.hidden_size, config.intermediate_size
+    patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    merged_width = c * config.spatial_merge_size**2
+    segments = [h * w for t, h, w in grid_thw for _ in range(t)]  # attention stays within a frame
+    block = 2 * tokens * (4 * c * c + 2 * c * inter)
+    block += harness.attention_flops(config.num_heads, config.head_dim, segments)
+    mergers = (1 + len(config.deepstack_visual_indexes)) * 2 * (tokens // config.spatial_merge_size**2)
+    mergers *= merged_width * (merged_width + config.out_hidden_size)
+    return 2.0 * tokens * patch * c + config.depth * block + mergers
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------------
+def hf_tower(config: VisionConfig, device: Device, dtype: torch.dtype, attn: str) -> nn.Module:
+    """transformers' tower of ``config``'s shape with ``attn`` attention (weights left as initialized)."""
+    from transformers import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    fields = dataclasses.asdict(config)
+    fields["deepstack_visual_indexes"] = list(config.deepstack_visual_indexes)
+    fields["rope_parameters"] = {"rope_type": "axial", "rope_theta": fields.pop("rope_theta")}
+    fields.pop("layer_norm_eps")  # transformers hard-codes 1e-6, as does every released config
+    hf_config = Qwen3VLVisionConfig(**fields)
+    hf_config._attn_implementation = attn  # transformers checks that the backend is usable right here
+    with torch.device(device.torch_device):
+        model = Qwen3VLVisionModel(hf_config)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def hf_impl(model: nn.Module) -> Impl:
+    def run(x: Inputs) -> Output:
+        out = model(x.pixels, grid_thw=x.grid_device)
+        return out.pooler_output, list(out.deepstack_features)
+
+    return Impl(model, run)
+
+
+def hf_flash_attention_2(device: Device, reference: nn.Module) -> Impl:
+    harness.require_cuda(device)
+    if importlib.util.find_spec("flash_attn") is None:
+        raise harness.Unavailable("flash-attn is not installed")
+    config = VisionConfig.from_hf(reference.config)
+    model = hf_tower(config, device, reference.dtype, "flash_attention_2")
+    model.load_state_dict(reference.state_dict())
+    return hf_impl(model)
+
+
+def qvl_tower(device: Device, reference: nn.Module, compiled: bool = False) -> Impl:
+    if compiled:
+        harness.require_cuda(device)
+    tower = VisionTransformer.from_hf(reference).requires_grad_(False)
+    if compiled:
+        tower.compile()
+
+    def run(x: Inputs) -> Output:
+        with harness.qvl_path(device):
+            return tower(x.pixels, x.grid_host)
+
+    return Impl(tower, run)
+
+
+PEERS: dict[str, Callable[[Device, nn.Module], Impl]] = {
+    "qvl": qvl_tower,
+    "qvl compiled": partial(qvl_tower, compiled=True),
+    "hf flash_attention_2": hf_flash_attention_2,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Run
+# --------------------------------------------------------------------------------------------------
+def weight_bytes(module: nn.Module) -> int:
+    return harness.tensor_bytes(*itertools.chain(module.parameters(), module.buffers()))
+
+
+def peak_memory(impl: Impl, x: Inputs, device: Device) -> int | None:
+    """Peak bytes with only ``impl`` loaded: its weights and the inputs, plus the forward's rise over
+    what is allocated now (other implementations' weights sit there too, so they are subtracted)."""
+    if not device.is_cuda:
+        return None
+    torch.cuda.synchronize(device.torch_device)
+    before = torch.cuda.memory_allocated(device.torch_device)
+    torch.cuda.reset_peak_memory_stats(device.torch_device)
+    out = impl.run(x)
+    torch.cuda.synchronize(device.torch_device)
+    rise = torch.cuda.max_memory_allocated(device.torch_device) - before
+    del out
+    return weight_bytes(impl.module) + harness.tensor_bytes(x.pixels, x.grid_device) + rise
+
+
+def run_trial(impl: Impl, x: Inputs) -> Output:
+    return impl.run(x)
+
+
+def max_err(out: Output, ref: Output) -> float:
+    pairs = zip([out[0], *out[1]], [ref[0], *ref[1]], strict=True)
+    return max(harness.max_rel_err(o, r) for o, r in pairs)
+
+
+def run_case(report: Report, case: Case, impls: dict[str, Impl], device: Device, dtype: torch.dtype) -> None:
+    x = make_inputs(case.config, case.workload.grid_thw, device, dtype)
+    ref = impls[REFERENCE].run(x)
+
+    def check(name: str, call: Callable[[], Output]) -> float | None:
+        return None if name == REFERENCE else max_err(call(), ref)
+
+    # One input set: the weights (hundreds of MB at 2B and 8B) stream through L2 in every forward anyway.
+    calls = {name: [partial(impl.run, x)] for name, impl in impls.items()}
+    flops = tower_flops(case.config, case.workload.grid_thw)
+    records = harness.check_then_time(report, case.name, flops, calls, check, rep_ms=500)
+    peaks = {name: peak_memory(impls[name], x, device) for name in records}
+    base = next((r.baseline for r in records.values() if r.baseline), None)
+    for name, record in records.items():
+        throughput = case.workload.items / (record.ms * 1e-3)
+        memory = "-" if peaks[name] is None else f"{peaks[name] / GiB:.2f} GiB"
+        if peaks[name] is not None and base is not None and name != base:
+            memory += f" ({peaks[name] / peaks[base]:.2f}x {base})"
+        record.note = f"{throughput:.4g} {case.workload.unit}, peak {memory}"
+        report.meta.setdefault("throughput", {}).setdefault(case.name, {})[name] = [throughput, case.workload.unit]
+        report.meta.setdefault("peak_memory_bytes", {}).setdefault(case.name, {})[name] = peaks[name]
+
+
+def benchmark(config: RunConfig) -> Report:
+    device, dtype = config.device, config.dtype
+    report = Report("tower", device, dtype, "flops", BASELINES)
+    report.notes.append(f"max rel err: of the merged and deepstack outputs, against {REFERENCE}")
+    report.notes.append("goal (H200, bf16): qvl compiled >= 1.3x hf flash_attention_2 on 8B, peak memory no higher")
+    report.meta["transformers"] = importlib.metadata.version("transformers")
+    all_cases = cases(device, config.quick)
+    report.meta["towers"] = {c.model: dataclasses.asdict(c.config) for c in all_cases}
+    for model in dict.fromkeys(c.model for c in all_cases):
+        model_cases = [c for c in all_cases if c.model == model]
+        tower_config = model_cases[0].config
+        print(f"tower: building {model}", flush=True)
+        reference = randomize(hf_tower(tower_config, device, dtype, "sdpa"))
+        trial = make_inputs(tower_config, ((1, 4, 4),), device, dtype)
+        builders = {name: partial(build, device, reference) for name, build in PEERS.items()}
+        peers, skipped = harness.peers(builders, partial(run_trial, x=trial))
+        report.skipped.update(skipped)
+        ready = {**peers, REFERENCE: hf_impl(reference)}
+        impls = {name: ready[name] for name in ORDER if name in ready}
+        for case in model_cases:
+            print(f"tower: {case.name}", flush=True)
+            run_case(report, case, impls, device, dtype)
+        del peers, ready, impls, reference
+        if device.is_cuda:
+            torch.cuda.empty_cache()
+    if importlib.util.find_spec("flash_attn") is not None:
+        report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> Report:
+    return harness.main(__doc__, benchmark, argv)
+
+
+if __name__ == "__main__":
+    main()

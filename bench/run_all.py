@@ -1,0 +1,84 @@
+"""Every qvl benchmark in one command, one module after another, with shared options:
+
+    python -m bench [--quick] [--dtype bf16] [--json-dir bench/results] [--only pos_embed,tower] [--device auto]
+
+(``python -m bench.run_all`` is the same.) Each module writes its JSON to ``--json-dir`` as
+``<bench>-<device>-<date>.json`` and prints its summary as it finishes; all summaries are printed
+again at the end, tables last. A module that fails is reported and the others still run; the exit
+status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import bench_attention, bench_merger, bench_pos_embed, bench_rotary, bench_tower, harness
+from .harness import Report
+
+MODULES = {
+    "attention": bench_attention,
+    "rotary": bench_rotary,
+    "pos_embed": bench_pos_embed,
+    "merger": bench_merger,
+    "tower": bench_tower,
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=sorted(harness.DTYPES), default="bf16")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller cases (always on for CPU runs)")
+    parser.add_argument("--json-dir", type=Path, default=harness.RESULTS_DIR, help="where the JSON files go")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--only", help=f"comma-separated subset of: {','.join(MODULES)}")
+    args = parser.parse_args(argv)
+    args.names = list(MODULES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in args.names if n not in MODULES]
+    if unknown or not args.names:
+        parser.error(f"--only takes names from {','.join(MODULES)}, got {args.only!r}")
+    return args
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str, str]]:
+    """Run the chosen modules; returns ({name: report}, {name: why it failed})."""
+    args = parse_args(argv)
+    slug = harness.get_device(args.device).slug
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    shared = ["--dtype", args.dtype, "--device", args.device] + (["--quick"] if args.quick else [])
+    reports: dict[str, Report] = {}
+    failures: dict[str, str] = {}
+    for name in args.names:
+        print(f"=== {name}", flush=True)
+        path = args.json_dir / f"{name}-{slug}-{stamp}.json"
+        try:
+            reports[name] = MODULES[name].main([*shared, "--json", str(path)])
+        except Exception as exc:  # noqa: BLE001 - one broken module must not cost the others' results
+            traceback.print_exc()
+            failures[name] = harness.reason(exc)
+        # Each module's tensors and compiled graphs are garbage once it returns: free the GPU for the next.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return reports, failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    reports, failures = run(argv)
+    print("\n=== all results", flush=True)
+    for report in reports.values():
+        print(f"\n{report.summary()}")
+    for name, why in failures.items():
+        print(f"\nFAILED {name}: {why}")
+    print(flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
