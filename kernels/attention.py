@@ -86,15 +86,16 @@ def _load_rotated(base, rows, stride_t, offs_d, row_mask, row_pos, col_pos, inv_
 @triton.jit
 def _attn_kv_block(
     acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-    K, V, Positions, kv_start, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+    K, V, Positions, kv_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
     offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t, sign_t,
     HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KV: tl.constexpr, APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KV: tl.constexpr, APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment."""
+    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment (K, V and
+    Positions point at the segment's first token)."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
-    rows = seq_start + offs_n
+    rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
     row_pos = offs_n
     col_pos = offs_n
     if APPLY_ROPE:
@@ -139,7 +140,7 @@ def _vision_attn_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,22 +156,25 @@ def _vision_attn_kernel(
         lo = tl.where(before, mid, lo)
         hi = tl.where(before, hi, mid)
     segment = lo
-    seq_start_i32 = tl.load(CuSeqlens + segment)
-    seq_start = seq_start_i32.to(tl.int64)
-    seqlen = (tl.load(CuSeqlens + segment + 1) - seq_start_i32).to(tl.int64)
-    m_start = (pid - (seq_start_i32 // BLOCK_M + segment)).to(tl.int64) * BLOCK_M
+    seq_start = tl.load(CuSeqlens + segment)
+    seqlen = tl.load(CuSeqlens + segment + 1) - seq_start
+    m_start = (pid - (seq_start // BLOCK_M + segment)) * BLOCK_M
 
     if m_start < seqlen:
         HAS_TAIL: tl.constexpr = D_TAIL > 0
         D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
-        Q += head.to(tl.int64) * stride_qh
-        K += head.to(tl.int64) * stride_kh
-        V += head.to(tl.int64) * stride_vh
-        Out += head.to(tl.int64) * stride_oh
+        # The segment's first token in 64-bit scalar arithmetic; offsets inside the batch stay 32-bit
+        # (vector address math in 64 bits costs registers and spills) unless T * stride can pass 2**31.
+        first = seq_start.to(tl.int64)
+        Q += first * stride_qt + head.to(tl.int64) * stride_qh
+        K += first * stride_kt + head.to(tl.int64) * stride_kh
+        V += first * stride_vt + head.to(tl.int64) * stride_vh
+        Out += first * stride_ot + head.to(tl.int64) * stride_oh
+        Positions += first * stride_pt
 
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
-        q_rows = seq_start + offs_m
+        q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
         offs_dm = tl.arange(0, D_MAIN)
         offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
 
@@ -201,16 +205,16 @@ def _vision_attn_kernel(
         for kv_start in range(0, full_end, BLOCK_N):
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, Positions, kv_start, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+                K, V, Positions, kv_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
                 offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
-                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, False, APPLY_ROPE, DOT_PRECISION,
+                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, False, APPLY_ROPE, DOT_PRECISION, WIDE_OFFSETS,
             )  # fmt: skip
         if full_end < seqlen:
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, Positions, full_end, seq_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
+                K, V, Positions, full_end, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
                 offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
-                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, True, APPLY_ROPE, DOT_PRECISION,
+                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, True, APPLY_ROPE, DOT_PRECISION, WIDE_OFFSETS,
             )  # fmt: skip
 
         inv_l = 1.0 / l_i
@@ -237,6 +241,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype) -> dict:
     if main + tail <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def _needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether a token offset inside the batch (at most T * token stride) can pass int32."""
+    return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
 
 
 def vision_attn_reference(
@@ -347,6 +356,7 @@ def vision_attn(
             out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
             HEAD_DIM=head_dim, D_MAIN=d_main, D_TAIL=d_tail,
             APPLY_ROPE=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
             **config,
         )  # fmt: skip
     return out

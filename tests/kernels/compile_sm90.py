@@ -49,7 +49,7 @@ def attention_variant(head_dim, dtype, rope):
         {"qk_scale", "log2_theta"},
         {"HEAD_DIM": head_dim, "D_MAIN": main, "D_TAIL": tail, "BLOCK_M": config["BLOCK_M"],
          "BLOCK_N": config["BLOCK_N"], "APPLY_ROPE": rope,
-         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"},
+         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "WIDE_OFFSETS": False},
         config["num_warps"], config["num_stages"],
     )
 

@@ -311,3 +311,19 @@ def test_bf16_on_gpu(head_dim):
     ref = vision_attn_reference(q.double(), k.double(), v.double(), cu)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert math.isfinite(rel) and rel < 1e-2
+
+
+def test_wide_offset_variant(monkeypatch):
+    """The 64-bit in-batch offsets taken when T * stride can pass 2**31 compute the same result."""
+    import qvl.kernels.attention as attention
+
+    assert attention._needs_wide_offsets(700_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
+    assert not attention._needs_wide_offsets(100_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
+    lengths = [70, 0, 33]
+    q, k, v = packed_qkv(sum(lengths), 2, 72, torch.float16, seed=21)
+    cu = cu_seqlens_of(lengths)
+    positions = torch.randint(0, 30, (sum(lengths), 2), dtype=torch.int32)
+    narrow = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
+    monkeypatch.setattr(attention, "_needs_wide_offsets", lambda *args: True)
+    wide = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
+    assert torch.equal(narrow, wide)
