@@ -35,6 +35,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_reference",
     "patch_merger",
+    "row_parallel_linear",
     "vision_mlp",
 ]
 
@@ -360,9 +361,11 @@ def _(x, bias, approximate="none"):
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _row_parallel_linear(
+def row_parallel_linear(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, all_reduce: AllReduce | None
 ) -> torch.Tensor:
+    """``F.linear(h, weight, bias)``; with ``all_reduce``, ``weight`` holds this rank's input-feature
+    columns, and the partial products are summed over ranks before the bias is added once."""
     if all_reduce is None:
         return F.linear(h, weight, bias)
     # Each rank holds a slice of the input features, so its product is a partial sum: reduce first,
@@ -413,7 +416,7 @@ def patch_merger(
         h = torch.ops.qvl.layer_norm(x, norm_weight, norm_bias, eps).view(-1, merged_width)
     h = torch.mm(h, fc1_weight.t())
     torch.ops.qvl.bias_gelu_(h, fc1_bias, "none")
-    return _row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
+    return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 
 
 def vision_mlp(
@@ -438,4 +441,4 @@ def vision_mlp(
     check_tensor("vision_mlp", "x", x, ndim=2)
     h = torch.mm(x, fc1_weight.t())
     torch.ops.qvl.bias_gelu_(h, fc1_bias, "tanh")
-    return _row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
+    return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)

@@ -16,7 +16,7 @@ compile it once for every batch shape.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.fx.experimental._config
@@ -24,14 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
-from qvl.kernels.merger import patch_merger, vision_mlp
+from qvl.kernels.merger import AllReduce, patch_merger, row_parallel_linear, vision_mlp
 
 from .metadata import VisionMetadata, build_metadata
 from .parallel import make_parallel
 
 __all__ = ["VisionConfig", "VisionTransformer", "tower_forward"]
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +188,7 @@ def tower_forward(
         qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
         q, k, v = qkv.view(num_tokens, 3, num_heads, -1).unbind(1)
         a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
-        a = _output_projection(a.view(num_tokens, -1), attn.proj.weight, attn.proj.bias, all_reduce)
+        a = row_parallel_linear(a.view(num_tokens, -1), attn.proj.weight, attn.proj.bias, all_reduce)
         x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
         mlp = block.mlp
         m = vision_mlp(
@@ -205,12 +204,6 @@ def tower_forward(
             deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce))
     merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce)
     return x, merged, deepstack
-
-
-def _output_projection(a, weight, bias, all_reduce: AllReduce | None) -> torch.Tensor:
-    if all_reduce is None:
-        return F.linear(a, weight, bias)
-    return all_reduce(F.linear(a, weight)) + bias
 
 
 def _merge(merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce) -> torch.Tensor:
