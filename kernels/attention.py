@@ -32,7 +32,6 @@ from .common import (
     device_guard,
 )
 from .rotary import (
-    _LOG2_E,
     check_positions,
     check_rope_head_dim,
     check_rope_theta,
@@ -351,7 +350,7 @@ def vision_attn(
         _vision_attn_kernel[grid](
             q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens,
             num_segments, max(1, (num_segments - 1).bit_length()),
-            scale * _LOG2_E, math.log2(rope_theta),
+            scale * math.log2(math.e), math.log2(rope_theta),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
             HEAD_DIM=head_dim, D_MAIN=d_main, D_TAIL=d_tail,

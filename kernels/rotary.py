@@ -28,8 +28,6 @@ from .common import (
 
 __all__ = ["rotary_2d", "rotary_2d_", "rotary_2d_reference", "rope_inv_freq"]
 
-_LOG2_E = 1.4426950408889634
-
 
 # ----------------------------------------------------------------------------------------------------
 # Tile helpers shared with the attention kernel.
