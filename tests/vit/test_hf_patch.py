@@ -92,3 +92,20 @@ def test_registered_attention_implementation(tmp_path):
         expected = reference.model.visual(pixels, grid_thw=grid).pooler_output
         got = model.model.visual(pixels, grid_thw=grid).pooler_output
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_moe_vision_model_outputs_unchanged():
+    from transformers import Qwen3VLMoeVisionConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+    from towers import VISION_KWARGS
+
+    config = Qwen3VLMoeVisionConfig(**VISION_KWARGS)
+    config._attn_implementation = "sdpa"
+    hf = randomize(Qwen3VLMoeVisionModel(config), 7).eval()
+    pixels, grid = pixel_values_for(GRID, seed=8), torch.tensor(GRID)
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid)
+        got = patch_model(hf)(pixels, grid_thw=grid)
+    torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got.deepstack_features, expected.deepstack_features):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
