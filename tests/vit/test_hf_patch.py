@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from towers import IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, full_config, hf_vision_model, pixel_values_for, randomize
+from towers import (
+    IMAGE_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    full_config,
+    hf_vision_model,
+    moe_full_config,
+    pixel_values_for,
+    randomize,
+)
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
 
 from qvl.kernels import force_backend
@@ -11,8 +19,8 @@ from qvl.vit import is_patched, patch_model, register_attention
 GRID = [[1, 4, 6], [1, 2, 2]]
 
 
-def tiny_full_model(seed=0):
-    model = Qwen3VLForConditionalGeneration(full_config())
+def tiny_full_model(seed=0, model_class=Qwen3VLForConditionalGeneration, config=None):
+    model = model_class(config or full_config())
     model.config._attn_implementation = "sdpa"
     return randomize(model, seed, std=0.1).eval()
 
@@ -39,28 +47,44 @@ def test_vision_model_outputs_unchanged():
     torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
 
 
-def test_full_model_logits_generate_and_save(tmp_path):
-    model = tiny_full_model()
-    input_ids = prompt_for(GRID)
-    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                  mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
-                  pixel_values=pixel_values_for(GRID, seed=3), image_grid_thw=torch.tensor(GRID))
+def image_inputs(grid, seed):
+    input_ids = prompt_for(grid)
+    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+                pixel_values=pixel_values_for(grid, seed=seed), image_grid_thw=torch.tensor(grid))
+
+
+def assert_patch_keeps_logits_and_tokens(model, inputs):
+    """Patch ``model`` (twice: harmless) and check its logits and greedy tokens against the unpatched run."""
     with torch.no_grad():
         expected_logits = model(**inputs).logits
         expected_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    patch_model(model)
-    patch_model(model)  # twice is harmless
+    assert patch_model(patch_model(model)) is model and is_patched(model)
     with force_backend("torch"), torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, expected_tokens)
+    return expected_logits
+
+
+def test_full_model_logits_generate_and_save(tmp_path):
+    model = tiny_full_model()
+    inputs = image_inputs(GRID, seed=3)
+    expected_logits = assert_patch_keeps_logits_and_tokens(model, inputs)
 
     model.save_pretrained(tmp_path)
     reloaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path).eval()
     assert not is_patched(reloaded)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_full_model_logits_and_generate():
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    model = tiny_full_model(seed=9, model_class=Qwen3VLMoeForConditionalGeneration, config=moe_full_config())
+    assert_patch_keeps_logits_and_tokens(model, image_inputs(GRID, seed=10))
 
 
 def test_dtype_cast_after_patching_keeps_working():

@@ -39,24 +39,31 @@ def hf_vision_model(seed: int = 0, **overrides) -> Qwen3VLVisionModel:
     return randomize(Qwen3VLVisionModel(vision_config(**overrides)), seed).eval()
 
 
+TEXT_KWARGS = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=48,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 8, 8]},
+)
+MOE_TEXT_KWARGS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+TOKEN_IDS = dict(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+                 vision_start_token_id=VISION_START_TOKEN_ID)
+
+
 def full_config() -> Qwen3VLConfig:
-    config = Qwen3VLConfig(
-        vision_config=dict(VISION_KWARGS),
-        text_config=dict(
-            vocab_size=128,
-            hidden_size=96,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=48,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 8, 8]},
-        ),
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=VIDEO_TOKEN_ID,
-        vision_start_token_id=VISION_START_TOKEN_ID,
-    )
-    return config
+    return Qwen3VLConfig(vision_config=dict(VISION_KWARGS), text_config=dict(TEXT_KWARGS), **TOKEN_IDS)
+
+
+def moe_full_config():
+    """The MoE variant (Qwen3-VL-30B-A3B's classes) at toy size."""
+    from transformers import Qwen3VLMoeConfig
+
+    return Qwen3VLMoeConfig(vision_config=dict(VISION_KWARGS), text_config={**TEXT_KWARGS, **MOE_TEXT_KWARGS},
+                            **TOKEN_IDS)
 
 
 def pixel_values_for(grid_thw, seed: int = 0, channels: int = 3 * 2 * 16 * 16) -> torch.Tensor:
