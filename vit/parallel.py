@@ -15,9 +15,11 @@ Ask for a mode with ``VisionTransformer(config, parallel=..., group=...)`` (or t
 
 Every rank must call the tower with the same batch. Each call first exchanges a small fingerprint of it
 (a hash of grid_thw and pixel_values' shape): a rank with a different or invalid batch then makes every
-rank raise, instead of leaving the others waiting in a collective. The fingerprint travels on the tower's
-device, so the group's backend must handle that device (gloo: CPU, nccl: CUDA); on CUDA reading it back
-is one small host sync per call. With one process either mode is exactly the single-process tower.
+rank raise, instead of leaving the others waiting in a collective. The fingerprint travels between hosts
+when the group has a CPU backend, so the check never waits for the GPU: ``init_from_env`` joins CUDA
+ranks with ``"cpu:gloo,cuda:nccl"``, as does ``init_process_group()`` without a backend. A group with
+nccl alone carries it on the tower's device, and reading it back is then one small device sync per call.
+With one process either mode is exactly the single-process tower.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "SegmentCost",
     "balance",
     "greedy_by_patches",
+    "has_cpu_backend",
     "init_from_env",
     "is_main_rank",
     "lower_bound",
@@ -73,7 +76,8 @@ def init_from_env(device: torch.device | str | None = None) -> torch.device:
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), unless already joined, and return this rank's device.
 
     ``device`` defaults to CUDA when available, else CPU; a CUDA device without an index becomes
-    ``cuda:LOCAL_RANK``. The backend follows the device: nccl for CUDA, gloo for CPU. Without
+    ``cuda:LOCAL_RANK``. The backend follows the device: nccl for CUDA tensors (with gloo for CPU
+    tensors beside it), gloo for CPU. Without
     ``WORLD_SIZE`` in the environment nothing is joined (a single process).
     """
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -82,8 +86,15 @@ def init_from_env(device: torch.device | str | None = None) -> torch.device:
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # gloo beside nccl lets the per-call batch check run on the host (see the module docstring).
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     return device
+
+
+def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` can run collectives on CPU tensors (its backend config names one for ``cpu``)."""
+    entries = dict(entry.partition(":")[::2] for entry in dist.get_backend_config(group).split(","))
+    return entries.get("cpu", "none") != "none"
 
 
 def make_parallel(mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None):
@@ -118,6 +129,7 @@ class _Parallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.exchanges_on_host = has_cpu_backend(group)
 
     def build(self, tower: VisionTransformer) -> None:
         """Create this rank's parameters on ``tower`` (all of them unless the mode shards them)."""
@@ -144,7 +156,7 @@ class _Parallel:
             fingerprint = [1, int.from_bytes(digest, "little", signed=True), *shape]
         except (TypeError, ValueError) as error:
             problem, fingerprint = error, [0, 0, 0, 0]
-        local = torch.tensor(fingerprint, dtype=torch.int64, device=tower.device)
+        local = torch.tensor(fingerprint, dtype=torch.int64, device="cpu" if self.exchanges_on_host else tower.device)
         everyone = _all_gather(local, 0, self.group).view(self.world_size, -1).tolist()
         if problem is not None:
             raise problem

@@ -87,6 +87,7 @@ def _rank_main(spec_path: str) -> None:
             record_error("not_a_member", load, "data", group=pair)
         else:
             towers = {mode: load(mode, group=pair) for mode in ("weights", "data")}
+            results["batch_check_on_host"] = all(tower._parallel.exchanges_on_host for tower in towers.values())
             with force_backend("interpreter"):
                 results["pair/interpreter"] = towers[INTERPRETED[0]](*inputs[INTERPRETED[1]])
             for mode, tower in towers.items():
@@ -126,7 +127,13 @@ import pytest  # noqa: E402
 from qvl.kernels import force_backend  # noqa: E402
 from qvl.vit import VisionConfig, VisionTransformer  # noqa: E402
 from qvl.vit.checkpoint import save_vision_checkpoint  # noqa: E402
-from qvl.vit.parallel import SegmentCost, balance, greedy_by_patches, lower_bound  # noqa: E402
+from qvl.vit.parallel import (  # noqa: E402
+    SegmentCost,
+    balance,
+    greedy_by_patches,
+    has_cpu_backend,
+    lower_bound,
+)
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +268,20 @@ def test_a_group_of_one_is_the_single_process_tower(ranks):
 
 def test_a_group_without_this_process(ranks):
     assert "not a member" in ranks[2]["error/not_a_member"]
+
+
+def test_the_batch_check_runs_on_the_host_over_gloo(ranks):
+    assert all(results["batch_check_on_host"] for results in ranks[:2])
+
+
+@pytest.mark.parametrize(
+    "config, on_host",
+    [("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True), ("cuda:nccl", False), ("cpu:none,cuda:nccl", False)],
+)
+def test_has_cpu_backend(monkeypatch, config, on_host):
+    """Only an nccl-only group makes the batch check read its fingerprint back from the GPU."""
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: config)
+    assert has_cpu_backend() is on_host
 
 
 def test_without_a_process_group(setup):
