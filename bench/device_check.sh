@@ -20,8 +20,8 @@ quick=--quick
   git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/device.txt"
 
-# CUDA tests only: the CPU ones ran in CI. -k picks the GPU-marked and bf16 tests of every module.
+# CUDA tests only: the CPU ones ran in CI. -k picks the GPU-marked, bf16 and peak-memory tests.
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/vit/test_model.py \
-  -k "gpu or cuda or bf16 or int64" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  -k "gpu or cuda or bf16 or int64 or peak" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
 python3 -m bench $quick --dtype bf16 --json-dir "$out" 2>&1 | tee "$out/bench.log" | tail -80
