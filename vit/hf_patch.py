@@ -8,6 +8,7 @@ the weights stay where transformers put them.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from .metadata import build_metadata
 from .model import VisionConfig, tower_forward
+from .parallel import make_parallel
 
 __all__ = ["ATTENTION_NAME", "patch_model", "is_patched", "register_attention", "SUPPORTED_MODELS"]
 
@@ -44,24 +46,18 @@ def _vision_module(model: nn.Module) -> nn.Module:
     raise TypeError(f"patch_model: unsupported model {name}; supported: {', '.join(SUPPORTED_MODELS)}")
 
 
-def _qvl_vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
-    """Drop-in for ``Qwen3VLVisionModel.forward`` on qvl kernels (same outputs).
-
-    ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed
-    metadata keyword arguments from transformers are ignored, as qvl builds its own.
-    """
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
-    config = VisionConfig.from_hf(self.config)
-    weight = self.pos_embed.weight
+def _encode(visual: nn.Module, hidden_states: torch.Tensor, grid_thw):
+    """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters."""
+    config = VisionConfig.from_hf(visual.config)
+    weight = visual.pos_embed.weight
     meta = build_metadata(
         grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
         spatial_merge_size=config.spatial_merge_size,
         num_grid_per_side=config.num_grid_per_side,
         device=weight.device,
     )
-    last_hidden, merged, deepstack = tower_forward(
-        self,
+    return tower_forward(
+        visual,
         hidden_states.to(weight.device),
         meta.cu_seqlens,
         meta.positions,
@@ -72,24 +68,58 @@ def _qvl_vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: 
         deepstack_visual_indexes=config.deepstack_visual_indexes,
         spatial_merge_size=config.spatial_merge_size,
     )
+
+
+def _qvl_vision_forward(
+    self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, *, data_parallel=None, **kwargs
+):
+    """Drop-in for ``Qwen3VLVisionModel.forward`` on qvl kernels (same outputs).
+
+    ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed
+    metadata keyword arguments from transformers are ignored, as qvl builds its own. With
+    ``data_parallel`` each rank encodes its share and ``last_hidden_state`` is None: only the merged and
+    deepstack features are gathered.
+    """
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    if data_parallel is None:
+        last_hidden, merged, deepstack = _encode(self, hidden_states, grid_thw)
+    else:
+        last_hidden = None
+        merged, deepstack = data_parallel.forward(
+            self, hidden_states, grid_thw, encode_share=lambda pixels, grid: _encode(self, pixels, grid)[1:]
+        )
     output = BaseModelOutputWithDeepstackFeatures(
         last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
     )
     return output if kwargs.get("return_dict", True) else output.to_tuple()
 
 
-def patch_model(model: nn.Module) -> nn.Module:
+def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) -> nn.Module:
     """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
 
     ``model``: a transformers ``Qwen3VLForConditionalGeneration``, ``Qwen3VLModel``, their MoE
     variants, or a bare ``Qwen3VLVisionModel`` / ``Qwen3VLMoeVisionModel``. Anything else raises
-    TypeError. Patching twice is harmless.
+    TypeError. Patching again is harmless and sets the mode anew.
+
+    ``parallel="data"`` (every rank of ``group``, default the world, holds the whole model and passes the
+    same batch, e.g. a text model sharded over the ranks): each rank encodes a balanced share of the
+    images and video frames and all ranks get every feature, as in ``VisionTransformer(parallel="data")``;
+    the vision output's ``last_hidden_state`` is then None (transformers' Qwen3-VL models read only the
+    merged and deepstack features). Weight sharding would change the model's parameters, so
+    ``parallel="weights"`` raises ValueError: build ``VisionTransformer.from_hf(visual, parallel="weights")``
+    instead.
     """
     visual = _vision_module(model)
-    if not getattr(visual, _MARK, False):
-        VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
-        visual.forward = types.MethodType(_qvl_vision_forward, visual)
-        setattr(visual, _MARK, True)
+    config = VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
+    if parallel == "weights":
+        raise ValueError(
+            "patch_model: parallel='weights' would shard the model's own parameters; use "
+            "qvl.vit.VisionTransformer.from_hf(visual, parallel='weights') for a weight-sharded tower"
+        )
+    data_parallel = make_parallel(parallel, config, group, caller="patch_model")
+    visual.forward = types.MethodType(functools.partial(_qvl_vision_forward, data_parallel=data_parallel), visual)
+    setattr(visual, _MARK, True)
     return model
 
 

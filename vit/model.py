@@ -186,9 +186,9 @@ def tower_forward(
     for index, block in enumerate(blocks):
         attn = block.attn
         qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
-        q, k, v = qkv.view(num_tokens, 3, num_heads, -1).unbind(1)
+        q, k, v = qkv.view(num_tokens, 3, num_heads, qkv.shape[1] // (3 * num_heads)).unbind(1)
         a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
-        a = row_parallel_linear(a.view(num_tokens, -1), attn.proj.weight, attn.proj.bias, all_reduce)
+        a = row_parallel_linear(a.flatten(1), attn.proj.weight, attn.proj.bias, all_reduce)
         x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
         mlp = block.mlp
         m = vision_mlp(

@@ -97,23 +97,26 @@ def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
     return entries.get("cpu", "none") != "none"
 
 
-def make_parallel(mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None):
+def make_parallel(
+    mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None, caller: str = "VisionTransformer"
+):
     """The strategy a tower runs with: None for the single-process tower (``mode=None``, or a group of one
     process), else a :class:`WeightsParallel` or :class:`DataParallel`. Raises on every rank alike (nothing
     here communicates) when the mode is unknown, torch.distributed is not initialized, this process is not
-    in ``group``, or (weights mode) a width does not divide by the group's size."""
+    in ``group``, or (weights mode) a width does not divide by the group's size; ``caller`` names the API
+    in those errors."""
     if mode is None:
         return None
     if mode not in MODES:
-        raise ValueError(f"VisionTransformer: parallel must be None or one of {MODES}, got {mode!r}")
+        raise ValueError(f"{caller}: parallel must be None or one of {MODES}, got {mode!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            f"VisionTransformer(parallel={mode!r}) needs torch.distributed's process group: call "
+            f"{caller}(parallel={mode!r}) needs torch.distributed's process group: call "
             f"torch.distributed.init_process_group (or qvl.vit.parallel.init_from_env) first"
         )
     group = group if group is not None else dist.group.WORLD
     if dist.get_rank(group) < 0:
-        raise ValueError(f"VisionTransformer(parallel={mode!r}): this process is not a member of the group passed")
+        raise ValueError(f"{caller}(parallel={mode!r}): this process is not a member of the group passed")
     if dist.get_world_size(group) == 1:
         return None
     return (WeightsParallel if mode == "weights" else DataParallel)(config, group)
@@ -248,7 +251,10 @@ class WeightsParallel(_Parallel):
             return 1
         return None
 
-    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw):
+    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw, encode_share=None):
+        """Encode this rank's share and gather everyone's. ``encode_share(pixel_values, grid) -> (merged,
+        deepstack)`` encodes one share; it defaults to ``tower``'s own single-process encode (the
+        transformers patch passes one that runs over transformers' modules)."""
         grid = self.agree_on_batch(tower, pixel_values, grid_thw)
         return tower._encode_local(pixel_values, tower.metadata(grid))
 
@@ -489,7 +495,10 @@ class DataParallel(_Parallel):
         super().__init__(config, group)
         self.cost = SegmentCost.from_config(config)
 
-    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw):
+    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw, encode_share=None):
+        """Encode this rank's share and gather everyone's. ``encode_share(pixel_values, grid) -> (merged,
+        deepstack)`` encodes one share; it defaults to ``tower``'s own single-process encode (the
+        transformers patch passes one that runs over transformers' modules)."""
         grid = self.agree_on_batch(tower, pixel_values, grid_thw)
         merge = self.config.spatial_merge_size
         plan = balance(grid, self.world_size, self.cost)
@@ -502,7 +511,11 @@ class DataParallel(_Parallel):
         # A new tensor, not a view: the compiled forward guards on its input's storage offset (0, 1 or more),
         # and a rank's share starts at a different row in every batch.
         local_pixels = torch.cat(parts or [pixel_values[:0]])
-        merged, deepstack = tower._encode_local(local_pixels, tower.metadata(plan.local_grid(self.rank)))
+        local_grid = plan.local_grid(self.rank)
+        if encode_share is None:
+            merged, deepstack = tower._encode_local(local_pixels, tower.metadata(local_grid))
+        else:
+            merged, deepstack = encode_share(local_pixels, local_grid)
 
         stride = max(plan.merged_rows(rank, merge) for rank in range(self.world_size))
         if stride == 0:

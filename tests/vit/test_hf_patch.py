@@ -1,5 +1,9 @@
 """qvl.vit.patch_model on tiny random transformers Qwen3-VL models (nothing downloaded)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from towers import (
@@ -133,3 +137,75 @@ def test_moe_vision_model_outputs_unchanged():
     torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-4, atol=1e-5)
     for a, b in zip(got.deepstack_features, expected.deepstack_features):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_patched_empty_batch():
+    hf = patch_model(hf_vision_model(seed=12))
+    with torch.no_grad():
+        out = hf(torch.empty(0, 1536), grid_thw=torch.empty(0, 3, dtype=torch.long))
+    assert out.pooler_output.shape == (0, 96) and [d.shape for d in out.deepstack_features] == [(0, 96)] * 2
+
+
+def test_patch_model_parallel_arguments():
+    hf = hf_vision_model(seed=13)
+    with pytest.raises(ValueError, match="VisionTransformer.from_hf"):
+        patch_model(hf, parallel="weights")
+    with pytest.raises(ValueError, match="patch_model: parallel must be"):
+        patch_model(hf, parallel="tensor")
+    with pytest.raises(RuntimeError, match=r"patch_model\(parallel='data'\) needs torch.distributed"):
+        patch_model(hf, parallel="data")
+    assert not is_patched(hf)
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel patch: two gloo ranks, started by the test below (this file run as a script is one rank)
+# --------------------------------------------------------------------------------------------------
+DATA_PARALLEL_GRIDS = {"mixed": [[1, 4, 6], [3, 2, 4], [1, 2, 2], [1, 6, 2]], "one_image": [[1, 4, 4]]}
+
+
+def _data_parallel_rank(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from qvl.vit.parallel import init_from_env
+
+    init_from_env("cpu")
+    model = tiny_full_model(seed=11)
+    patch_model(model, parallel="data")
+    results = {"mode": model.model.visual.forward.__func__.keywords["data_parallel"].mode}
+    with force_backend("torch"), torch.no_grad():
+        for name, grid in DATA_PARALLEL_GRIDS.items():
+            out = model.model.visual(pixel_values_for(grid, seed=12), grid_thw=torch.tensor(grid))
+            results[name] = [out.pooler_output, *out.deepstack_features]
+        results["logits"] = model(**image_inputs(GRID, seed=3)).logits
+    torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+def test_data_parallel_patch_over_two_ranks(tmp_path):
+    """`patch_model(model, parallel="data")` on two gloo ranks: every rank gets the unpatched model's
+    features (images, a video split by frames, a batch that leaves one rank nothing) and logits."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    model = tiny_full_model(seed=11)
+    with torch.no_grad():
+        expected = {}
+        for name, grid in DATA_PARALLEL_GRIDS.items():
+            out = model.model.visual(pixel_values_for(grid, seed=12), grid_thw=torch.tensor(grid))
+            expected[name] = [out.pooler_output, *out.deepstack_features]
+        expected["logits"] = model(**image_inputs(GRID, seed=3)).logits
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["mode"] == "data"
+        for name in DATA_PARALLEL_GRIDS:
+            for a, b in zip(got[name], expected[name], strict=True):
+                # fp32 rounding: this model's weights are twice as large as the vision-only tests' ones
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(got["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
+
+
+if __name__ == "__main__":
+    _data_parallel_rank(sys.argv[1])
