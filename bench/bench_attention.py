@@ -3,7 +3,8 @@
 Peers, each skipped with its reason where it cannot run: torch's ``varlen_attn`` (PyTorch's own
 FlashAttention), ``flex_attention`` compiled with a per-image block mask, SDPA called once per image
 (transformers' path when flash-attn is absent), and flash-attn's ``flash_attn_varlen_func``. qvl also
-runs with its fused rotary (``positions=``) to show what fusing rope into attention costs.
+runs with its fused rotary (``positions=``: q rotated in the kernel, k by one rotary pass) and with
+``rotary_2d`` on q and k before it, to show what rope costs each way.
 
     python -m bench.bench_attention [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
 
@@ -96,6 +97,20 @@ def qvl_attn(device: Device, rope: bool = False) -> Bind:
     return bind
 
 
+def qvl_rotary_then_attn(device: Device) -> Bind:
+    """The unfused alternative: ``rotary_2d`` writes rotated q and k, then plain ``vision_attn``."""
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            with harness.qvl_path(device):
+                q, k = torch.ops.qvl.rotary_2d(x.q, x.k, x.positions)
+                return torch.ops.qvl.vision_attn(q, k, x.v, x.cu_seqlens, x.max_seqlen)
+
+        return call
+
+    return bind
+
+
 def varlen_attn(device: Device) -> Bind:
     harness.require_cuda(device)
     from torch.nn.attention.varlen import varlen_attn as op
@@ -180,7 +195,12 @@ def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind]
 def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device, dtype: torch.dtype) -> None:
     sets = make_inputs(case, device, dtype, harness.rotation_count(set_bytes(case, dtype), device))
     x = sets[0]
-    impls = {"qvl": qvl_attn(device), "qvl+rope": qvl_attn(device, rope=True), **peers}
+    impls = {
+        "qvl": qvl_attn(device),
+        "qvl+rope": qvl_attn(device, rope=True),
+        "rotary_2d+qvl": qvl_rotary_then_attn(device),
+        **peers,
+    }
     ref = impls["qvl"](x)()
     with harness.qvl_path(device):
         q_rot, k_rot = torch.ops.qvl.rotary_2d(x.q, x.k, x.positions)
@@ -189,14 +209,16 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
     def check(name: str, call: Callable[[], torch.Tensor]) -> float | None:
         if name == "qvl":
             return None
-        return harness.max_rel_err(call().reshape(ref.shape), rope_ref if name == "qvl+rope" else ref)
+        with_rope = name in ("qvl+rope", "rotary_2d+qvl")
+        return harness.max_rel_err(call().reshape(ref.shape), rope_ref if with_rope else ref)
 
     flops = harness.attention_flops(case.dims.num_heads, case.dims.head_dim, x.seqlens)
     calls = {name: [bind(s) for s in sets] for name, bind in impls.items()}
     records = harness.check_then_time(report, case.name, flops, calls, check)
-    if "qvl" in records and "qvl+rope" in records:
-        overhead = 100 * (records["qvl+rope"].ms / records["qvl"].ms - 1)
-        records["qvl+rope"].note = f"fused rope {overhead:+.1f}% vs qvl"
+    for name, what in (("qvl+rope", "fused rope"), ("rotary_2d+qvl", "separate rope")):
+        if "qvl" in records and name in records:
+            overhead = 100 * (records[name].ms / records["qvl"].ms - 1)
+            records[name].note = f"{what} {overhead:+.1f}% vs qvl"
 
 
 def benchmark(config: RunConfig) -> Report:

@@ -11,8 +11,15 @@ Head dims that are not a power of two are tiled as a power-of-two main part plus
 (72 = 64 + 16-wide tail holding 8 live columns), so the dot products do 80/72 of the needed work
 where padding to 128 would do 128/72.
 
-Softmax runs online in fp32 with exp2 (log2(e) folded into the scale). With ``positions`` the 2D
-rotary embedding is applied to q and k as they are loaded (see :mod:`qvl.kernels.rotary`).
+Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
+
+With ``positions`` the 2D rotary embedding is applied (see :mod:`qvl.kernels.rotary`): each program
+rotates its q tile as it loads it, once, and k is rotated once per call, by the rotary kernel into a
+scratch tensor, before the attention launch. Rotating k inside the key loop instead redoes its sin/cos
+(inlined libdevice polynomials with range reduction) for every q block and head, S / BLOCK_M * H times per
+key: compiled for sm_90 at D = 72 (``python -m bench.sass_attention``), that made the key loop 5,616 SASS
+instructions with 240 local-memory accesses, against 1,184 and none without rope; with q rotated once per
+program the loop is 1,139 instructions with none.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .common import (
     device_guard,
 )
 from .rotary import (
+    launch_rotary,
     check_positions,
     check_rope_head_dim,
     check_rope_theta,
@@ -69,12 +77,12 @@ def _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM: tl.constexpr, M
 
 @triton.jit
 def _load_rotated(base, rows, stride_t, offs_d, row_mask, row_pos, col_pos, inv_freq, from_col, partner, sign,
-                  HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, APPLY_ROPE: tl.constexpr):
-    """Load a tile and, with APPLY_ROPE, rotate it and round it back to the input dtype (as the
-    standalone rotary op would store it)."""
-    x = _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, MASK_ROWS)
-    if APPLY_ROPE:
-        x_partner = _load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, MASK_ROWS)
+                  HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
+    """Load a tile of rows (masked by ``row_mask``) and, with ROTATE, rotate it and round it back to the
+    input dtype (as the standalone rotary op would store it)."""
+    x = _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, True)
+    if ROTATE:
+        x_partner = _load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True)
         cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
         x = rope_apply(x, x_partner, cos, sin, sign)
         # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
@@ -85,28 +93,20 @@ def _load_rotated(base, rows, stride_t, offs_d, row_mask, row_pos, col_pos, inv_
 @triton.jit
 def _attn_kv_block(
     acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-    K, V, Positions, kv_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
-    offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t, sign_t,
+    K, V, kv_start, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
     HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KV: tl.constexpr, APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    MASK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment (K, V and
-    Positions point at the segment's first token)."""
+    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment (K and V
+    point at the segment's first token)."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
-    row_pos = offs_n
-    col_pos = offs_n
-    if APPLY_ROPE:
-        row_pos = tl.load(Positions + rows * stride_pt, mask=kv_mask, other=0)
-        col_pos = tl.load(Positions + rows * stride_pt + 1, mask=kv_mask, other=0)
 
-    k_main = _load_rotated(K, rows, stride_kt, offs_dm, kv_mask, row_pos, col_pos, inv_freq_m, from_col_m,
-                           partner_m, sign_m, HEAD_DIM, MASK_KV, APPLY_ROPE)
+    k_main = _load_rows(K, rows, stride_kt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
     qk = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
     if HAS_TAIL:
-        k_tail = _load_rotated(K, rows, stride_kt, offs_dt, kv_mask, row_pos, col_pos, inv_freq_t, from_col_t,
-                               partner_t, sign_t, HEAD_DIM, MASK_KV, APPLY_ROPE)
+        k_tail = _load_rows(K, rows, stride_kt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
         qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
     qk = qk * qk_scale
     if MASK_KV:
@@ -139,7 +139,7 @@ def _vision_attn_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    APPLY_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -169,7 +169,6 @@ def _vision_attn_kernel(
         K += first * stride_kt + head.to(tl.int64) * stride_kh
         V += first * stride_vt + head.to(tl.int64) * stride_vh
         Out += first * stride_ot + head.to(tl.int64) * stride_oh
-        Positions += first * stride_pt
 
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
@@ -177,23 +176,24 @@ def _vision_attn_kernel(
         offs_dm = tl.arange(0, D_MAIN)
         offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
 
-        # Placeholders, replaced when APPLY_ROPE (Triton needs every name bound on both paths).
+        # Placeholders, replaced when ROTATE_Q (Triton needs every name bound on both paths).
         row_pos, col_pos = offs_m, offs_m
         inv_freq_m, from_col_m, partner_m, sign_m = offs_dm, offs_dm, offs_dm, offs_dm
         inv_freq_t, from_col_t, partner_t, sign_t = offs_dt, offs_dt, offs_dt, offs_dt
-        if APPLY_ROPE:
+        if ROTATE_Q:
+            Positions += first * stride_pt
             inv_freq_m, from_col_m, partner_m, sign_m = rope_dim_tables(offs_dm, HEAD_DIM, log2_theta)
             inv_freq_t, from_col_t, partner_t, sign_t = rope_dim_tables(offs_dt, HEAD_DIM, log2_theta)
             row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
             col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
 
         q_main = _load_rotated(Q, q_rows, stride_qt, offs_dm, q_mask, row_pos, col_pos, inv_freq_m, from_col_m,
-                               partner_m, sign_m, HEAD_DIM, True, APPLY_ROPE)
+                               partner_m, sign_m, HEAD_DIM, ROTATE_Q)
         q_tail = q_main
         acc_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
         if HAS_TAIL:
             q_tail = _load_rotated(Q, q_rows, stride_qt, offs_dt, q_mask, row_pos, col_pos, inv_freq_t, from_col_t,
-                                   partner_t, sign_t, HEAD_DIM, True, APPLY_ROPE)
+                                   partner_t, sign_t, HEAD_DIM, ROTATE_Q)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -204,16 +204,14 @@ def _vision_attn_kernel(
         for kv_start in range(0, full_end, BLOCK_N):
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, Positions, kv_start, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
-                offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
-                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, False, APPLY_ROPE, DOT_PRECISION, WIDE_OFFSETS,
+                K, V, kv_start, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
+                HEAD_DIM, HAS_TAIL, BLOCK_N, False, DOT_PRECISION, WIDE_OFFSETS,
             )  # fmt: skip
         if full_end < seqlen:
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, Positions, full_end, seqlen, stride_kt, stride_vt, stride_pt, qk_scale,
-                offs_dm, offs_dt, inv_freq_m, from_col_m, partner_m, sign_m, inv_freq_t, from_col_t, partner_t,
-                sign_t, HEAD_DIM, HAS_TAIL, BLOCK_N, True, APPLY_ROPE, DOT_PRECISION, WIDE_OFFSETS,
+                K, V, full_end, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
+                HEAD_DIM, HAS_TAIL, BLOCK_N, True, DOT_PRECISION, WIDE_OFFSETS,
             )  # fmt: skip
 
         inv_l = 1.0 / l_i
@@ -325,8 +323,9 @@ def vision_attn(
             segments and T = 0 are fine.
         max_seqlen: optional hint, unused by the launch (the grid is derived from T, B and H).
         softmax_scale: defaults to ``D ** -0.5``.
-        positions: optional int32 ``(T, 2)`` (row, col) per token: rotate q and k with Qwen3-VL's 2D
-            rotary embedding while loading them (same result as :func:`rotary_2d` first). Needs D % 4 == 0.
+        positions: optional int32 ``(T, 2)`` (row, col) per token: apply Qwen3-VL's 2D rotary embedding
+            (same result as :func:`rotary_2d` first). q is rotated as the kernel loads it; k once, into a
+            scratch ``(T, H, D)`` tensor freed on return. Needs D % 4 == 0.
         rope_theta: rotary base, used with ``positions``.
 
     Returns a new contiguous ``(T, H, D)`` tensor in q's dtype; softmax and accumulation in fp32.
@@ -346,6 +345,11 @@ def vision_attn(
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
     apply_rope = positions is not None
+    if apply_rope:
+        # k is rotated once here; q, tile by tile, in the kernel (see the module docstring for why).
+        k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        launch_rotary(None, k, None, k_rotated, positions, rope_theta)
+        k = k_rotated
     with device_guard(q.device):
         _vision_attn_kernel[grid](
             q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens,
@@ -354,7 +358,7 @@ def vision_attn(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
             HEAD_DIM=head_dim, D_MAIN=d_main, D_TAIL=d_tail,
-            APPLY_ROPE=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            ROTATE_Q=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
             **config,
         )  # fmt: skip

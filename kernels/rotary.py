@@ -65,12 +65,27 @@ def rope_apply(x, x_partner, cos, sin, sign):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Standalone kernel: one program rotates BLOCK_T tokens of every head of q and k, so each cos/sin
-# value is computed once and used 2*H times.
+# Standalone kernel: one program rotates BLOCK_T tokens of every head of q and k (or of k alone), so
+# each cos/sin value is computed once and used for every head.
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _rotate_heads(X, XOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
+                  stride_xt, stride_xh, stride_ot, stride_oh):
+    """Rotate the tile's tokens of every head of X into XOut with the cos/sin computed once by the caller."""
+    for head in range(num_heads):
+        rows = X + tokens[:, None] * stride_xt + head * stride_xh
+        x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0)
+        x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+        tl.store(
+            XOut + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            rope_apply(x, x_partner, cos, sin, sign).to(XOut.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
 def _rotary_2d_kernel(
-    # pointers
+    # pointers (Q and QOut are not read when ROTATE_Q is off)
     Q,
     K,
     QOut,
@@ -94,6 +109,7 @@ def _rotary_2d_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
@@ -107,25 +123,11 @@ def _rotary_2d_kernel(
     inv_freq, from_col, partner, sign = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
     cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
 
-    for head in range(num_heads):
-        q_row = Q + tokens[:, None] * stride_qt + head * stride_qh
-        q = tl.load(q_row + offs_d[None, :], mask=mask, other=0.0)
-        q_partner = tl.load(q_row + partner[None, :], mask=mask, other=0.0)
-        q_out = rope_apply(q, q_partner, cos, sin, sign)
-        tl.store(
-            QOut + tokens[:, None] * stride_qot + head * stride_qoh + offs_d[None, :],
-            q_out.to(QOut.dtype.element_ty),
-            mask=mask,
-        )
-        k_row = K + tokens[:, None] * stride_kt + head * stride_kh
-        k = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
-        k_partner = tl.load(k_row + partner[None, :], mask=mask, other=0.0)
-        k_out = rope_apply(k, k_partner, cos, sin, sign)
-        tl.store(
-            KOut + tokens[:, None] * stride_kot + head * stride_koh + offs_d[None, :],
-            k_out.to(KOut.dtype.element_ty),
-            mask=mask,
-        )
+    if ROTATE_Q:
+        _rotate_heads(Q, QOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
+                      stride_qt, stride_qh, stride_qot, stride_qoh)
+    _rotate_heads(K, KOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
+                  stride_kt, stride_kh, stride_kot, stride_koh)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, device=None) -> torch.Tensor:
@@ -197,21 +199,25 @@ def _check_rotary_args(op: str, q, k, positions, rope_theta, read_values: bool =
     check_positions(op, positions, q.shape[0], q.device, read_values)
 
 
-def _launch_rotary(q, k, q_out, k_out, positions, rope_theta: float) -> None:
-    num_tokens, num_heads, head_dim = q.shape
+def launch_rotary(q, k, q_out, k_out, positions, rope_theta: float) -> None:
+    """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (``q`` and ``q_out`` None: ``k`` alone), all
+    ``(T, H, D)`` with a contiguous last dim; an output may be its own input."""
+    num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0 or num_heads == 0:
         return
+    rotate_q = q is not None
+    q, q_out = (q, q_out) if rotate_q else (k, k_out)
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(64, 4096 // block_d))
     grid = (triton.cdiv(num_tokens, block_t),)
-    with device_guard(q.device):
+    with device_guard(k.device):
         _rotary_2d_kernel[grid](
             q, k, q_out, k_out, positions,
             num_tokens, num_heads, math.log2(rope_theta),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             positions.stride(0),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, ROTATE_Q=rotate_q,
             num_warps=4,
         )  # fmt: skip
 
@@ -235,7 +241,7 @@ def rotary_2d(
         return rotary_2d_reference(q, k, positions, rope_theta)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch_rotary(q, k, q_out, k_out, positions, rope_theta)
+    launch_rotary(q, k, q_out, k_out, positions, rope_theta)
     return q_out, k_out
 
 
@@ -257,7 +263,7 @@ def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_t
         q.copy_(q_rot)
         k.copy_(k_rot)
         return
-    _launch_rotary(q, k, q, k, positions, rope_theta)
+    launch_rotary(q, k, q, k, positions, rope_theta)
 
 
 @rotary_2d_.register_fake

@@ -66,12 +66,12 @@ def test_attention_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     data, out = run_cpu(bench_attention, tmp_path, capsys)
     check_meta(data, "attention")
     names = [case.name for case in bench_attention.cases(CPU, quick=True)]
-    impls = ("qvl", "qvl+rope", "sdpa/image")
+    impls = ("qvl", "qvl+rope", "rotary_2d+qvl", "sdpa/image")
     check_records(data, {(c, i) for c in names for i in impls}, baseline="sdpa/image")
     for peer in ("varlen_attn", "flex_attention", "flash_attn"):
         assert data["skipped"][peer] == "CPU run: torch paths only"
-    rope_rows = [r for r in data["records"] if r["impl"] == "qvl+rope"]
-    assert all(r["note"].startswith("fused rope ") for r in rope_rows)
+    for impl, note in (("qvl+rope", "fused rope "), ("rotary_2d+qvl", "separate rope ")):
+        assert all(r["note"].startswith(note) for r in data["records"] if r["impl"] == impl)
     check_table_last(out, names[-1], "sdpa/image")
 
 

@@ -48,7 +48,7 @@ def attention_variant(head_dim, dtype, rope):
         {"Q": p, "K": p, "V": p, "Out": p, "CuSeqlens": "*i32", "Positions": "*i32"},
         {"qk_scale", "log2_theta"},
         {"HEAD_DIM": head_dim, "D_MAIN": main, "D_TAIL": tail, "BLOCK_M": config["BLOCK_M"],
-         "BLOCK_N": config["BLOCK_N"], "APPLY_ROPE": rope,
+         "BLOCK_N": config["BLOCK_N"], "ROTATE_Q": rope,
          "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "WIDE_OFFSETS": False},
         config["num_warps"], config["num_stages"],
     )
@@ -61,7 +61,7 @@ def main():
     compile_variant(
         "rotary_2d D=72", rotary._rotary_2d_kernel,
         {"Q": b, "K": b, "QOut": b, "KOut": b, "Positions": "*i32"}, {"log2_theta"},
-        {"HEAD_DIM": 72, "BLOCK_D": 128, "BLOCK_T": 32}, 4,
+        {"HEAD_DIM": 72, "BLOCK_D": 128, "BLOCK_T": 32, "ROTATE_Q": True}, 4,
     )
     compile_variant(
         "pos_embed_interp_add_", pos_embed._pos_embed_interp_kernel,

@@ -24,3 +24,23 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     assert len(variants) == 7, result.stdout
     too_big = [v for v in variants if v["shared"] > HOPPER_SHARED_BYTES]
     assert not too_big, too_big
+
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+@pytest.mark.skipif(not (PTXAS.exists() and CUOBJDUMP.exists()), reason="Triton's ptxas/cuobjdump are not installed")
+def test_attention_key_loop_has_no_local_memory_and_rope_adds_nothing_to_it():
+    """Qwen3-VL's D = 72 in bf16, read from the sm_90 machine code: no spill inside the key loop, and rotating
+    q (done once per program) leaves the loop as long as plain attention's."""
+    result = subprocess.run([sys.executable, "-m", "bench.sass_attention", "--head-dim", "72"], capture_output=True,
+                            text=True, timeout=600, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0] == "72":
+            rows[cells[1] == "True"] = (int(cells[5]), int(cells[6]))  # key loop, local memory in it
+    assert set(rows) == {False, True}, result.stdout
+    assert rows[False][1] == 0 and rows[True][1] == 0, result.stdout
+    assert rows[True][0] <= rows[False][0] * 1.05, result.stdout
