@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from qvl.kernels import attention  # noqa: E402
+from qvl.kernels.common import FMA_CONTRACTION  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -45,7 +46,7 @@ def compile_attention(head_dim: int, rotate_q: bool):
         name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in ("qk_scale", "log2_theta") else "i32")
         for name in kernel.arg_names
     }  # fmt: skip
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"], **FMA_CONTRACTION}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=HOPPER, options=options)
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .common import (
     FLOAT_DTYPES,
+    FMA_CONTRACTION,
     backend_for,
     check_cu_seqlens,
     check_same_device,
@@ -361,6 +362,7 @@ def vision_attn(
             ROTATE_Q=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
             **config,
+            **FMA_CONTRACTION,
         )  # fmt: skip
     return out
 

@@ -28,6 +28,7 @@ import triton
 
 __all__ = [
     "BACKENDS",
+    "FMA_CONTRACTION",
     "backend_for",
     "check_dtype",
     "check_same_device",
@@ -40,6 +41,10 @@ __all__ = [
 
 BACKENDS = ("triton", "interpreter", "torch")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Launch option of every kernel that may contract a * b + c into one FMA. Triton turned that on by default
+# until 3.9, which warns that 3.10 turns it off: asking for it keeps results and speed the same whatever
+# the Triton version.
+FMA_CONTRACTION = {"enable_fp_fusion": True}
 
 _state = threading.local()
 _value_checks = os.environ.get("QVL_CHECK_INPUTS", "0") not in ("", "0")

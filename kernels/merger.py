@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, backend_for, check_same_device, check_tensor, device_guard
+from .common import FLOAT_DTYPES, FMA_CONTRACTION, backend_for, check_same_device, check_tensor, device_guard
 
 __all__ = [
     "GELU_APPROXIMATIONS",
@@ -124,6 +124,7 @@ def _launch_layer_norm(x, delta, h, weight, bias, y, eps: float) -> None:
             x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
             BLOCK_M=block_m, BLOCK_C=block_c, HAS_DELTA=has_delta,
             num_warps=num_warps,
+            **FMA_CONTRACTION,
         )  # fmt: skip
 
 
@@ -286,6 +287,7 @@ def _launch_bias_gelu(x, bias, y, approximate: str) -> None:
             x.stride(0), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, APPROXIMATE_TANH=approximate == "tanh",
             num_warps=4,
+            **FMA_CONTRACTION,
         )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .common import (
     FLOAT_DTYPES,
+    FMA_CONTRACTION,
     backend_for,
     check_same_device,
     check_tensor,
@@ -219,6 +220,7 @@ def launch_rotary(q, k, q_out, k_out, positions, rope_theta: float) -> None:
             positions.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, ROTATE_Q=rotate_q,
             num_warps=4,
+            **FMA_CONTRACTION,
         )  # fmt: skip
 
 

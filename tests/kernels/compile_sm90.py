@@ -34,7 +34,10 @@ def compile_variant(name, kernel, pointers, floats, constexprs, num_warps, num_s
         else:
             signature[arg] = "fp32" if arg in floats else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+    # pos_embed launches without FMA contraction, every other kernel with it (see FMA_CONTRACTION).
+    fusion = kernel is not pos_embed._pos_embed_interp_kernel
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fusion}
+    compiled = triton.compile(source, target=HOPPER, options=options)
     print(json.dumps({"name": name, "shared": compiled.metadata.shared, "num_warps": num_warps}), flush=True)
 
 
