@@ -251,10 +251,7 @@ class WeightsParallel(_Parallel):
             return 1
         return None
 
-    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw, encode_share=None):
-        """Encode this rank's share and gather everyone's. ``encode_share(pixel_values, grid) -> (merged,
-        deepstack)`` encodes one share; it defaults to ``tower``'s own single-process encode (the
-        transformers patch passes one that runs over transformers' modules)."""
+    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw):
         grid = self.agree_on_batch(tower, pixel_values, grid_thw)
         return tower._encode_local(pixel_values, tower.metadata(grid))
 
