@@ -175,6 +175,11 @@ def sdpa_per_image(device: Device) -> Bind:
     return bind
 
 
+QVL_VARIANTS: dict[str, Callable[[Device], Bind]] = {
+    "qvl": qvl_attn,
+    "qvl+rope": partial(qvl_attn, rope=True),
+    "rotary_2d+qvl": qvl_rotary_then_attn,
+}
 PEERS: dict[str, Callable[[Device], Bind]] = {
     "varlen_attn": varlen_attn,
     "flex_attention": flex_attention,
@@ -186,7 +191,7 @@ BASELINES = ("varlen_attn", "sdpa/image")  # sdpa/image stands in where varlen_a
 
 def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind], dict[str, str]]:
     trial = make_inputs(Case(MODELS["8B"], MIXED_TINY), device, dtype)[0]
-    return harness.peers({n: partial(build, device) for n, build in PEERS.items()}, lambda bind: bind(trial)())
+    return harness.device_peers(PEERS, device, trial)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,12 +200,7 @@ def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind]
 def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device, dtype: torch.dtype) -> None:
     sets = make_inputs(case, device, dtype, harness.rotation_count(set_bytes(case, dtype), device))
     x = sets[0]
-    impls = {
-        "qvl": qvl_attn(device),
-        "qvl+rope": qvl_attn(device, rope=True),
-        "rotary_2d+qvl": qvl_rotary_then_attn(device),
-        **peers,
-    }
+    impls = {**{name: build(device) for name, build in QVL_VARIANTS.items()}, **peers}
     ref = impls["qvl"](x)()
     with harness.qvl_path(device):
         q_rot, k_rot = torch.ops.qvl.rotary_2d(x.q, x.k, x.positions)

@@ -249,9 +249,7 @@ def benchmark(config: RunConfig) -> Report:
     device, dtype = config.device, config.dtype
     report = Report("merger", device, dtype, "bytes", BASELINES)
     trial = make_inputs(Case("layer_norm", 8, 64), device, dtype)[0]
-    peers, report.skipped = harness.peers(
-        {name: partial(build, device) for name, build in PEERS.items()}, lambda bind: bind(trial)()
-    )
+    peers, report.skipped = harness.device_peers(PEERS, device, trial)
     report.notes.append(
         "eager: F.layer_norm; x + d then F.layer_norm; F.gelu(x + b); transformers' Qwen3VLVisionPatchMerger. "
         "compiled: torch.compile of the same (dynamic=False)"

@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -218,6 +219,14 @@ def peers(
         else:
             ready[name] = impl
     return ready, skipped
+
+
+def device_peers(
+    builders: Mapping[str, Callable[[Device], Callable[[T], Callable[[], object]]]], device: Device, trial_inputs: T
+) -> tuple[dict[str, Callable[[T], Callable[[], object]]], dict[str, str]]:
+    """:func:`peers` for a benchmark module's ``PEERS``: each built for ``device`` and run once on
+    ``trial_inputs``."""
+    return peers({name: partial(build, device) for name, build in builders.items()}, lambda bind: bind(trial_inputs)())
 
 
 def reason(exc: Exception) -> str:

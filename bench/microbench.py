@@ -62,10 +62,16 @@ def _run(benchmark, calls: Sequence[Callable[[], Any]]) -> None:
     benchmark(timed)
 
 
+def _run_memory_bound(benchmark, module, grids: Sequence[Grid], bind) -> None:
+    """Time ``bind`` on ``module``'s inputs for ``grids`` (rotary and pos_embed share their input API)."""
+    count = harness.rotation_count(module.set_bytes(grids, DTYPE), DEVICE)
+    sets = module.make_inputs(grids, DEVICE, DTYPE, count)
+    benchmark.extra_info["bytes"] = module.min_bytes(sets[0])
+    _run(benchmark, [bind(s) for s in sets])
+
+
 ATTENTION_IMPLS = {
-    "qvl": partial(bench_attention.qvl_attn, DEVICE),
-    "qvl+rope": partial(bench_attention.qvl_attn, DEVICE, rope=True),
-    **{name: partial(build, DEVICE) for name, build in bench_attention.PEERS.items()},
+    name: partial(build, DEVICE) for name, build in {**bench_attention.QVL_VARIANTS, **bench_attention.PEERS}.items()
 }
 
 
@@ -82,18 +88,14 @@ def test_attention(benchmark, case: bench_attention.Case, impl: str) -> None:
 ROTARY_IMPLS = {
     "qvl": partial(bench_rotary.qvl_rotary, DEVICE),
     "qvl_in_place": partial(bench_rotary.qvl_rotary, DEVICE, in_place=True),
-    **{name.replace(" ", "_"): partial(build, DEVICE) for name, build in bench_rotary.PEERS.items()},
+    **{_key(name): partial(build, DEVICE) for name, build in bench_rotary.PEERS.items()},
 }
 
 
 @pytest.mark.parametrize("impl", list(ROTARY_IMPLS))
 @pytest.mark.parametrize("grids", bench_rotary.cases(DEVICE, quick=False), ids=lambda g: _id("rope", g))
 def test_rotary(benchmark, grids, impl: str) -> None:
-    bind = _build(ROTARY_IMPLS, impl)
-    count = harness.rotation_count(bench_rotary.set_bytes(grids, DTYPE), DEVICE)
-    sets = bench_rotary.make_inputs(grids, DEVICE, DTYPE, count)
-    benchmark.extra_info["bytes"] = bench_rotary.min_bytes(sets[0])
-    _run(benchmark, [bind(s) for s in sets])
+    _run_memory_bound(benchmark, bench_rotary, grids, _build(ROTARY_IMPLS, impl))
 
 
 POS_EMBED_IMPLS = {
@@ -106,11 +108,7 @@ POS_EMBED_IMPLS = {
 @pytest.mark.parametrize("impl", list(POS_EMBED_IMPLS))
 @pytest.mark.parametrize("grids", bench_pos_embed.cases(DEVICE, quick=False), ids=lambda g: _id("pos", g))
 def test_pos_embed(benchmark, grids, impl: str) -> None:
-    bind = _build(POS_EMBED_IMPLS, impl)
-    count = harness.rotation_count(bench_pos_embed.set_bytes(grids, DTYPE), DEVICE)
-    sets = bench_pos_embed.make_inputs(grids, DEVICE, DTYPE, count)
-    benchmark.extra_info["bytes"] = bench_pos_embed.min_bytes(sets[0])
-    _run(benchmark, [bind(s) for s in sets])
+    _run_memory_bound(benchmark, bench_pos_embed, grids, _build(POS_EMBED_IMPLS, impl))
 
 
 MERGER_IMPLS = {

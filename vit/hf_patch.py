@@ -46,9 +46,8 @@ def _vision_module(model: nn.Module) -> nn.Module:
     raise TypeError(f"patch_model: unsupported model {name}; supported: {', '.join(SUPPORTED_MODELS)}")
 
 
-def _encode(visual: nn.Module, hidden_states: torch.Tensor, grid_thw):
+def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor, grid_thw):
     """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters."""
-    config = VisionConfig.from_hf(visual.config)
     weight = visual.pos_embed.weight
     meta = build_metadata(
         grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
@@ -71,7 +70,8 @@ def _encode(visual: nn.Module, hidden_states: torch.Tensor, grid_thw):
 
 
 def _qvl_vision_forward(
-    self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, *, data_parallel=None, **kwargs
+    self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, *, config: VisionConfig,
+    data_parallel=None, **kwargs,
 ):
     """Drop-in for ``Qwen3VLVisionModel.forward`` on qvl kernels (same outputs).
 
@@ -83,11 +83,11 @@ def _qvl_vision_forward(
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
     if data_parallel is None:
-        last_hidden, merged, deepstack = _encode(self, hidden_states, grid_thw)
+        last_hidden, merged, deepstack = _encode(self, config, hidden_states, grid_thw)
     else:
         last_hidden = None
         merged, deepstack = data_parallel.forward(
-            self, hidden_states, grid_thw, encode_share=lambda pixels, grid: _encode(self, pixels, grid)[1:]
+            self, hidden_states, grid_thw, encode_share=lambda pixels, grid: _encode(self, config, pixels, grid)[1:]
         )
     output = BaseModelOutputWithDeepstackFeatures(
         last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
@@ -118,7 +118,8 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
             "qvl.vit.VisionTransformer.from_hf(visual, parallel='weights') for a weight-sharded tower"
         )
     data_parallel = make_parallel(parallel, config, group, caller="patch_model")
-    visual.forward = types.MethodType(functools.partial(_qvl_vision_forward, data_parallel=data_parallel), visual)
+    forward = functools.partial(_qvl_vision_forward, config=config, data_parallel=data_parallel)
+    visual.forward = types.MethodType(forward, visual)
     setattr(visual, _MARK, True)
     return model
 
@@ -133,7 +134,8 @@ def _qvl_attention(module, query, key, value, attention_mask=None, scaling=None,
     if attention_mask is not None or kwargs.get("is_causal"):
         raise ValueError(f"{ATTENTION_NAME}: only non-causal attention without a mask (the vision tower's) is supported")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    # Made on the device: torch.tensor([0, S], device=...) would copy from pageable memory and sync.
+    cu_seqlens = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]
     out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, softmax_scale=scaling)
     return out.unsqueeze(0), None
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .metadata import VisionMetadata, _check_grid, _grid_as_numpy
+from .metadata import VisionMetadata, _check_grid, _grid_as_numpy, _to_device
 
 if TYPE_CHECKING:
     from .model import VisionConfig, VisionTransformer
@@ -522,7 +522,7 @@ class DataParallel(_Parallel):
         local = merged.new_empty(stride, merged.shape[1] * (1 + len(deepstack)))
         torch.cat([merged, *deepstack], dim=1, out=local[: merged.shape[0]])
         gathered = _all_gather(local, 0, self.group)
-        order = torch.from_numpy(plan.gather_index(merge, stride)).to(gathered.device)
+        order = _to_device(torch.from_numpy(plan.gather_index(merge, stride)), gathered.device)
         merged, *deepstack = gathered.index_select(0, order).split(merged.shape[1], dim=1)
         return merged.contiguous(), [features.contiguous() for features in deepstack]
 
