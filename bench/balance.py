@@ -18,8 +18,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from qvl.vit.model import VisionConfig
-from qvl.vit.parallel import SegmentCost, balance, greedy_by_patches, lower_bound
+from qvl.vit.balance import SegmentCost, balance, greedy_by_patches, lower_bound
+from qvl.vit.config import VisionConfig
 
 WORLD_SIZES = (2, 4, 8)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
-from qvl.kernels.merger import patch_merger
+from qvl.vit.layers import patch_merger
 
 from . import harness
 from .harness import Device, Report, RunConfig

@@ -33,7 +33,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from qvl.vit.model import VisionConfig, VisionTransformer
+from qvl.vit import VisionConfig, VisionTransformer
 
 from . import harness
 from .harness import Device, Report, RunConfig

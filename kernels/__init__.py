@@ -1,10 +1,12 @@
 """qvl.kernels: Triton kernels for the Qwen3-VL vision tower, registered as ``torch.ops.qvl.*``.
 
 Importing this package registers the ops; nothing is compiled and no GPU is queried at import.
-Each module holds one kernel family (Triton kernel, launcher, op registration, torch reference):
-``attention`` (vision_attn), ``rotary`` (rotary_2d, rotary_2d_), ``pos_embed`` (pos_embed_interp,
-pos_embed_interp_add_), ``merger`` (layer_norm, add_layer_norm, bias_gelu, bias_gelu_, and the
-patch_merger / vision_mlp compositions); ``common`` chooses the path each call takes.
+Each module holds one kernel family (Triton kernel, launch configuration, launcher, op registration,
+torch reference): ``attention`` (vision_attn), ``rotary`` (rotary_2d, rotary_2d_), ``pos_embed``
+(pos_embed_interp, pos_embed_interp_add_), ``layer_norm`` (layer_norm, add_layer_norm), ``gelu``
+(bias_gelu, bias_gelu_). ``tiles`` holds the Triton device functions two families share; ``common``
+chooses the path each call takes and checks arguments. Single-device ops only: composing them into
+layers, and distributing them, is :mod:`qvl.vit`'s business.
 """
 
 import sys as _sys
@@ -19,17 +21,8 @@ if __name__ != "qvl.kernels":
 else:
     from .attention import MAX_HEAD_DIM, vision_attn, vision_attn_reference
     from .common import backend_for, force_backend, set_value_checks
-    from .merger import (
-        add_layer_norm,
-        add_layer_norm_reference,
-        bias_gelu,
-        bias_gelu_,
-        bias_gelu_reference,
-        layer_norm,
-        layer_norm_reference,
-        patch_merger,
-        vision_mlp,
-    )
+    from .gelu import bias_gelu, bias_gelu_, bias_gelu_reference
+    from .layer_norm import add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference
     from .pos_embed import pos_embed_interp, pos_embed_interp_add_, pos_embed_interp_reference
     from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
 
@@ -44,7 +37,6 @@ __all__ = [
     "force_backend",
     "layer_norm",
     "layer_norm_reference",
-    "patch_merger",
     "pos_embed_interp",
     "pos_embed_interp_add_",
     "pos_embed_interp_reference",
@@ -54,5 +46,4 @@ __all__ = [
     "set_value_checks",
     "vision_attn",
     "vision_attn_reference",
-    "vision_mlp",
 ]

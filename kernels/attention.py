@@ -39,16 +39,8 @@ from .common import (
     check_tensor,
     device_guard,
 )
-from .rotary import (
-    launch_rotary,
-    check_positions,
-    check_rope_head_dim,
-    check_rope_theta,
-    rope_apply,
-    rope_cos_sin,
-    rope_dim_tables,
-    rotary_2d_reference,
-)
+from .rotary import check_positions, check_rope_head_dim, check_rope_theta, launch_rotary, rotary_2d_reference
+from .tiles import rope_apply, rope_cos_sin, rope_dim_tables
 
 __all__ = ["vision_attn", "vision_attn_reference", "MAX_HEAD_DIM", "head_dim_tiles"]
 

@@ -6,7 +6,8 @@ position ``(row, col)`` has angles ``[row * inv_freq | col * inv_freq]`` (width 
 width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp32 and cast back.
 
 The kernels compute cos/sin in fp32 from the int32 positions: no ``(T, D)`` cos/sin table exists. The
-same tile helpers rotate q and k inside ``torch.ops.qvl.vision_attn`` when it is given ``positions``.
+same tile helpers (:mod:`qvl.kernels.tiles`) rotate q inside ``torch.ops.qvl.vision_attn`` when it is
+given ``positions``.
 """
 
 from __future__ import annotations
@@ -26,43 +27,18 @@ from .common import (
     device_guard,
     value_checks_enabled,
 )
+from .tiles import rope_apply, rope_cos_sin, rope_dim_tables
 
-__all__ = ["rotary_2d", "rotary_2d_", "rotary_2d_reference", "rope_inv_freq"]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Tile helpers shared with the attention kernel.
-# ----------------------------------------------------------------------------------------------------
-@triton.jit
-def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
-    """Per-dimension rotary constants for the dims ``offs_d`` of a head of width ``HEAD_DIM``.
-
-    Returns (inv_freq fp32, from_col bool, partner dim, sign fp32): dim d pairs with
-    ``partner = (d + D/2) % D`` and is rotated as ``x[d] * cos + sign * x[partner] * sin``.
-    """
-    half: tl.constexpr = HEAD_DIM // 2
-    quarter: tl.constexpr = HEAD_DIM // 4
-    in_half = offs_d % half
-    from_col = in_half >= quarter
-    freq_index = tl.where(from_col, in_half - quarter, in_half)
-    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
-    partner = (offs_d + half) % HEAD_DIM
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    return inv_freq, from_col, partner, sign
-
-
-@triton.jit
-def rope_cos_sin(row_pos, col_pos, inv_freq, from_col):
-    """cos/sin ``(BLOCK_T, BLOCK_D)`` in fp32 for tokens at ``(row_pos, col_pos)`` (int32 ``(BLOCK_T,)``)."""
-    pos = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32)
-    angle = pos * inv_freq[None, :]
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def rope_apply(x, x_partner, cos, sin, sign):
-    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin``."""
-    return x.to(tl.float32) * cos + sign[None, :] * x_partner.to(tl.float32) * sin
+__all__ = [
+    "check_positions",
+    "check_rope_head_dim",
+    "check_rope_theta",
+    "launch_rotary",
+    "rope_inv_freq",
+    "rotary_2d",
+    "rotary_2d_",
+    "rotary_2d_reference",
+]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 from .hf_patch import is_patched, patch_model, register_attention
 from .metadata import VisionMetadata, build_metadata
-from .model import VisionConfig, VisionTransformer, tower_forward
+from .config import VisionConfig
+from .model import VisionTransformer, tower_forward
 
 __all__ = [
     "VisionConfig",

@@ -31,7 +31,8 @@ import torch
 from qvl.kernels import backend_for
 
 from .checkpoint import CheckpointError
-from .model import VisionConfig, VisionTransformer
+from .config import VisionConfig
+from .model import VisionTransformer
 
 __all__ = ["EMBEDDED_CONFIG", "build_parser", "main"]
 

@@ -86,8 +86,8 @@ def _qvl_vision_forward(
         last_hidden, merged, deepstack = _encode(self, config, hidden_states, grid_thw)
     else:
         last_hidden = None
-        merged, deepstack = data_parallel.forward(
-            self, hidden_states, grid_thw, encode_share=lambda pixels, grid: _encode(self, config, pixels, grid)[1:]
+        merged, deepstack = data_parallel.run(
+            hidden_states, grid_thw, lambda pixels, grid: _encode(self, config, pixels, grid)[1:], self.pos_embed.weight.device
         )
     output = BaseModelOutputWithDeepstackFeatures(
         last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
@@ -117,7 +117,8 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
             "patch_model: parallel='weights' would shard the model's own parameters; use "
             "qvl.vit.VisionTransformer.from_hf(visual, parallel='weights') for a weight-sharded tower"
         )
-    data_parallel = make_parallel(parallel, config, group, caller="patch_model")
+    strategy = make_parallel(parallel, config, group, caller="patch_model")
+    data_parallel = strategy if strategy.mode == "data" else None
     forward = functools.partial(_qvl_vision_forward, config=config, data_parallel=data_parallel)
     visual.forward = types.MethodType(forward, visual)
     setattr(visual, _MARK, True)

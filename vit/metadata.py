@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["VisionMetadata", "build_metadata"]
+__all__ = ["VisionMetadata", "build_metadata", "check_grid", "grid_as_numpy", "to_device"]
 
 # Token counts, segment offsets, positions and table indices all travel as int32.
 _INT32_LIMIT = 2**31
@@ -95,7 +95,7 @@ def _check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _grid_as_numpy(grid_thw: object) -> np.ndarray:
+def grid_as_numpy(grid_thw: object) -> np.ndarray:
     """``grid_thw`` as an int64 ``(N, 3)`` array, without ever touching a device tensor's values."""
     if isinstance(grid_thw, torch.Tensor):
         if grid_thw.device.type != "cpu":
@@ -126,7 +126,9 @@ def _grid_as_numpy(grid_thw: object) -> np.ndarray:
     return array.astype(np.int64)
 
 
-def _check_grid(grid: np.ndarray, merge: int) -> None:
+def check_grid(grid: np.ndarray, merge: int) -> None:
+    """Raise ValueError naming the row unless every (t, h, w) of ``grid`` (from :func:`grid_as_numpy`) is
+    positive with h and w divisible by ``merge``, and the batch holds fewer than 2**31 patches."""
     non_positive = np.flatnonzero((grid <= 0).any(axis=1))
     if non_positive.size:
         row = int(non_positive[0])
@@ -168,7 +170,7 @@ def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int)
     """Positions ``(R, 2)``, interpolation indices ``(R, 4)`` and weights ``(R, 4)`` for one frame of
     each (h, w), concatenated (R = sum h * w).
 
-    Works in int32 (every value fits, see ``_check_grid``): numpy divides int32 several times faster.
+    Works in int32 (every value fits, see ``check_grid``): numpy divides int32 several times faster.
     Columns are written one by one because numpy broadcasts over a length-2 inner axis slowly.
     """
     heights, widths = heights.astype(np.int32), widths.astype(np.int32)
@@ -222,8 +224,8 @@ def build_metadata(
     side = _check_positive_int("num_grid_per_side", num_grid_per_side)
     if side * side >= _INT32_LIMIT:
         raise ValueError(f"build_metadata: num_grid_per_side {side} gives a table too large for int32 indices")
-    grid = _grid_as_numpy(grid_thw)
-    _check_grid(grid, merge)
+    grid = grid_as_numpy(grid_thw)
+    check_grid(grid, merge)
     device = torch.device("cpu") if device is None else torch.device(device)
 
     temporal, heights, widths = grid[:, 0], grid[:, 1], grid[:, 2]
@@ -249,7 +251,7 @@ def build_metadata(
     positions, interp_indices, interp_weights = (_gather_to(plan, source_rows, device) for plan in plans)
     return VisionMetadata(
         grid_thw=torch.from_numpy(grid),
-        cu_seqlens=_to_device(torch.from_numpy(cu_seqlens), device),
+        cu_seqlens=to_device(torch.from_numpy(cu_seqlens), device),
         max_seqlen=int(frame_sizes.max(initial=0)),
         positions=positions,
         interp_indices=interp_indices,
@@ -266,10 +268,11 @@ def _gather_to(plan: np.ndarray, rows: np.ndarray, device: torch.device) -> torc
     ``mode="clip"`` (the rows are in range by construction) lets it write into ``out`` unbuffered."""
     staged = torch.empty(rows.size, plan.shape[1], dtype=_TORCH_DTYPES[plan.dtype], pin_memory=device.type == "cuda")
     np.take(plan, rows, axis=0, out=staged.numpy(), mode="clip")
-    return _to_device(staged, device)
+    return to_device(staged, device)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the CPU) on ``device``; a CUDA copy is staged in pinned memory and never syncs."""
     if device.type == "cuda":
         # Pinned source, so the copy runs asynchronously; the caching host allocator keeps the staging
         # buffer alive until the copy has completed, so it may be dropped as soon as it is queued.

@@ -15,96 +15,22 @@ compile it once for every batch shape.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
-from qvl.kernels.merger import AllReduce, patch_merger, row_parallel_linear, vision_mlp
 
+from .config import VisionConfig
+from .layers import AllReduce, patch_merger, row_parallel_linear, vision_mlp
 from .metadata import VisionMetadata, build_metadata
-from .parallel import make_parallel
+from .parallel import LocalWidths, make_parallel
 
 __all__ = ["VisionConfig", "VisionTransformer", "tower_forward"]
-
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """The shape of a Qwen3-VL vision tower (defaults: Qwen3-VL-8B)."""
-
-    depth: int = 27
-    hidden_size: int = 1152
-    num_heads: int = 16
-    intermediate_size: int = 4304
-    out_hidden_size: int = 4096
-    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    num_position_embeddings: int = 2304
-    rope_theta: float = 10000.0
-    hidden_act: str = "gelu_pytorch_tanh"
-    layer_norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
-        side = int(round(self.num_position_embeddings**0.5))
-        if side * side != self.num_position_embeddings:
-            raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
-        if self.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"VisionConfig: hidden_act must be 'gelu_pytorch_tanh', got {self.hidden_act!r}")
-        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
-            raise ValueError(f"VisionConfig: deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth")
-        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_grid_per_side(self) -> int:
-        return int(round(self.num_position_embeddings**0.5))
-
-    @classmethod
-    def from_hf(cls, config: object) -> VisionConfig:
-        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, or a full model config)."""
-        config = getattr(config, "vision_config", config)
-        rope = getattr(config, "rope_parameters", None) or {}
-        return cls(
-            depth=config.depth,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            intermediate_size=config.intermediate_size,
-            out_hidden_size=config.out_hidden_size,
-            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
-            patch_size=config.patch_size,
-            temporal_patch_size=config.temporal_patch_size,
-            spatial_merge_size=config.spatial_merge_size,
-            in_channels=config.in_channels,
-            num_position_embeddings=config.num_position_embeddings,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            hidden_act=config.hidden_act,
-        )
-
-    @classmethod
-    def from_dict(cls, values: dict) -> VisionConfig:
-        """From a config.json dict: a full Qwen3-VL config (its ``vision_config``) or a vision config."""
-        values = values.get("vision_config", values)
-        rope = values.get("rope_parameters") or {}
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in values.items() if k in fields}
-        if "deepstack_visual_indexes" in kwargs:
-            kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = float(rope["rope_theta"])
-        return cls(**kwargs)
 
 
 class _Attention(nn.Module):
@@ -122,22 +48,22 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, config: VisionConfig, num_local_heads: int, local_intermediate: int, eps: float):
+    def __init__(self, config: VisionConfig, widths: LocalWidths):
         super().__init__()
-        local_width = num_local_heads * config.head_dim
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        local_width = widths.num_heads * config.head_dim
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attn = _Attention(config.hidden_size, 3 * local_width, local_width)
-        self.mlp = _MLP(config.hidden_size, local_intermediate)
+        self.mlp = _MLP(config.hidden_size, widths.intermediate_size)
 
 
 class _Merger(nn.Module):
-    def __init__(self, config: VisionConfig, postshuffle_norm: bool, local_merged_width: int, eps: float):
+    def __init__(self, config: VisionConfig, postshuffle_norm: bool, widths: LocalWidths):
         super().__init__()
-        merged_width = config.hidden_size * config.spatial_merge_size**2
-        self.norm = nn.LayerNorm(merged_width if postshuffle_norm else config.hidden_size, eps=eps)
-        self.linear_fc1 = nn.Linear(merged_width, local_merged_width)
-        self.linear_fc2 = nn.Linear(local_merged_width, config.out_hidden_size)
+        merged_width = config.merged_width
+        self.norm = nn.LayerNorm(merged_width if postshuffle_norm else config.hidden_size, eps=config.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(merged_width, widths.merged_width)
+        self.linear_fc2 = nn.Linear(widths.merged_width, config.out_hidden_size)
 
 
 class _PatchEmbed(nn.Module):
@@ -206,6 +132,18 @@ def tower_forward(
     return x, merged, deepstack
 
 
+def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
+    """Trace with token counts of 1 left unspecialized (one 2x2 image has one merged token), so no batch
+    shape triggers a recompile. The switch lives in a private torch module: without it, a count of 1 costs
+    one extra compile and nothing else."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+
+        return fx_config.patch(backed_size_oblivious=True)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
 def _merge(merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce) -> torch.Tensor:
     return patch_merger(
         x,
@@ -248,30 +186,22 @@ class VisionTransformer(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.num_local_heads = config.num_heads
-        self._all_reduce: AllReduce | None = None
         self._compiled_forward = None
         self._parallel = make_parallel(parallel, config, group)
-        if self._parallel is None:
-            self._build(config.num_heads, config.intermediate_size, config.hidden_size * config.spatial_merge_size**2)
-        else:
-            self._parallel.build(self)
+        widths = self._parallel.local_widths()
+        self.num_local_heads = widths.num_heads
+        self.patch_embed = _PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(_Block(config, widths) for _ in range(config.depth))
+        self.merger = _Merger(config, False, widths)
+        self.deepstack_merger_list = nn.ModuleList(_Merger(config, True, widths) for _ in config.deepstack_visual_indexes)
         if dtype is not None or device is not None:
             self.to(dtype=dtype, device=device)
 
-    def _build(self, num_local_heads: int, local_intermediate: int, local_merged_width: int) -> None:
-        """(Re)create the parameters for this rank's share of heads and MLP / merger widths."""
-        config, eps = self.config, self.config.layer_norm_eps
-        self.num_local_heads = num_local_heads
-        self.patch_embed = _PatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        self.blocks = nn.ModuleList(
-            _Block(config, num_local_heads, local_intermediate, eps) for _ in range(config.depth)
-        )
-        self.merger = _Merger(config, False, local_merged_width, eps)
-        self.deepstack_merger_list = nn.ModuleList(
-            _Merger(config, True, local_merged_width, eps) for _ in config.deepstack_visual_indexes
-        )
+    @property
+    def parallel(self) -> str | None:
+        """The parallel mode this tower runs in: ``"weights"``, ``"data"`` or None (one process)."""
+        return self._parallel.mode
 
     @property
     def dtype(self) -> torch.dtype:
@@ -319,8 +249,7 @@ class VisionTransformer(nn.Module):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored."""
         own = self.state_dict()
-        if self._parallel is not None:
-            state_dict = self._parallel.local_state_dict(state_dict, {name: t.shape for name, t in own.items()})
+        state_dict = self._parallel.local_state_dict(state_dict, {name: t.shape for name, t in own.items()})
         missing = [name for name in own if name not in state_dict]
         if missing:
             raise ValueError(f"VisionTransformer: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
@@ -345,13 +274,13 @@ class VisionTransformer(nn.Module):
     def encode(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The device part for a batch whose metadata is already built (in data mode only ``meta.grid_thw``
         is used: each rank builds its own share's metadata)."""
-        if self._parallel is not None:
-            return self._parallel.encode(self, pixel_values, meta)
-        return self._encode_local(pixel_values, meta)
+        if self._parallel.mode == "data":
+            return self.forward(pixel_values, meta.grid_thw)
+        return self._parallel.run(pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device)
 
     def _encode_local(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``encode`` of this process's own batch, without checking that other ranks agree on it."""
-        expected = (meta.num_tokens, self.patch_embed.proj.weight[0].numel())
+        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
+        expected = (meta.num_tokens, self.config.patch_dim)
         if tuple(pixel_values.shape) != expected:
             raise ValueError(f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
         if meta.num_tokens == 0:
@@ -365,9 +294,7 @@ class VisionTransformer(nn.Module):
             args = (args[0].clone(),) + args[1:]
         for tensor in args:
             torch._dynamo.mark_dynamic(tensor, 0)
-        # Size-oblivious tracing keeps token counts of 1 (one 2x2 image has one merged token) from
-        # being specialized, so no batch shape ever triggers a recompile.
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with _size_oblivious_tracing():
             return self._compiled_forward(*args)
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
@@ -382,21 +309,27 @@ class VisionTransformer(nn.Module):
             rope_theta=self.config.rope_theta,
             deepstack_visual_indexes=self.config.deepstack_visual_indexes,
             spatial_merge_size=self.config.spatial_merge_size,
-            all_reduce=self._all_reduce,
+            all_reduce=self._parallel.all_reduce,
         )
         return merged, deepstack
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
-        if self._parallel is not None:
-            return self._parallel.forward(self, pixel_values, grid_thw)
-        return self.encode(pixel_values, self.metadata(grid_thw))
+        return self._parallel.run(pixel_values, grid_thw, self._encode_grid, self.device)
+
+    def _encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self._encode_local(pixel_values, self.metadata(grid))
 
     def compile(self, **compile_kwargs) -> VisionTransformer:
-        """Compile the device part of the forward (not the host metadata) with the token dim dynamic.
+        """Compile the device part of the forward (not the host metadata) with the token dim dynamic, in
+        place, and return the tower itself (so ``tower = VisionTransformer(...).compile()`` reads naturally;
+        unlike ``nn.Module.compile``, which returns None).
 
         After the first call, batches with other image counts, sizes and videos reuse the compiled code.
-        Extra keyword arguments go to ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
+        That relies on torch's size-oblivious tracing switch (``torch.fx.experimental._config``, a private
+        module); on a torch without it, a batch whose token count is 1 compiles once more (a single 2x2
+        image has one merged token), and nothing else changes. Extra keyword arguments go to
+        ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
         """
         options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
         self._compiled_forward = torch.compile(self._device_forward, **options)

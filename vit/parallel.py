@@ -11,7 +11,7 @@ Ask for a mode with ``VisionTransformer(config, parallel=..., group=...)`` (or t
   collectives, so ``tower.compile()`` traces them into its graph.
 * ``"data"``: each rank keeps all the weights and encodes a share of the batch, then one all-gather gives
   every rank every image's features in input order. Shares are balanced under a cost model that counts
-  attention's quadratic term, and videos are split by temporal slice (:func:`balance`).
+  attention's quadratic term, and videos are split by temporal slice (:mod:`qvl.vit.balance`).
 
 Every rank must call the tower with the same batch. Each call first exchanges a small fingerprint of it
 (a hash of grid_thw and pixel_values' shape): a rank with a different or invalid batch then makes every
@@ -20,47 +20,48 @@ when the group has a CPU backend, so the check never waits for the GPU: ``init_f
 ranks with ``"cpu:gloo,cuda:nccl"``, as does ``init_process_group()`` without a backend. A group with
 nccl alone carries it on the tower's device, and reading it back is then one small device sync per call.
 With one process either mode is exactly the single-process tower.
+
+A strategy never reaches into the tower: the tower asks it for its local widths and its all-reduce when
+it builds its parameters, for this rank's part of a state dict when it loads one, and hands it the
+tower's own single-process encode to run on this rank's part of each batch (:class:`SingleProcess`).
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import hashlib
-import heapq
 import os
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .metadata import VisionMetadata, _check_grid, _grid_as_numpy, _to_device
-
-if TYPE_CHECKING:
-    from .model import VisionConfig, VisionTransformer
+from .balance import SegmentCost, balance
+from .config import VisionConfig
+from .layers import AllReduce
+from .metadata import check_grid, grid_as_numpy, to_device
 
 __all__ = [
     "MODES",
-    "DataPlan",
-    "Piece",
-    "SegmentCost",
-    "balance",
-    "greedy_by_patches",
+    "DataParallel",
+    "LocalWidths",
+    "SingleProcess",
+    "WeightsParallel",
     "has_cpu_backend",
     "init_from_env",
     "is_main_rank",
-    "lower_bound",
     "make_parallel",
 ]
 
 MODES = ("weights", "data")
 # Newer torch names the functional all-gather all_gather_single and deprecates all_gather_tensor.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-Grid = tuple[tuple[int, int, int], ...]
+# encode(pixel_values, grid) -> (merged, deepstack): the single-process encode of a batch (grid: int64
+# (N, 3) rows of t, h, w), which a strategy calls on the part of the batch that this rank runs.
+Encode = Callable[[torch.Tensor, np.ndarray], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 def is_main_rank(group: dist.ProcessGroup | None = None) -> bool:
@@ -97,16 +98,15 @@ def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
     return entries.get("cpu", "none") != "none"
 
 
-def make_parallel(
-    mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None, caller: str = "VisionTransformer"
-):
-    """The strategy a tower runs with: None for the single-process tower (``mode=None``, or a group of one
-    process), else a :class:`WeightsParallel` or :class:`DataParallel`. Raises on every rank alike (nothing
-    here communicates) when the mode is unknown, torch.distributed is not initialized, this process is not
-    in ``group``, or (weights mode) a width does not divide by the group's size; ``caller`` names the API
-    in those errors."""
+def make_parallel(mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None,
+                  caller: str = "VisionTransformer") -> SingleProcess:
+    """The strategy a tower runs with: :class:`SingleProcess` for ``mode=None`` or a group of one process,
+    else a :class:`WeightsParallel` or :class:`DataParallel`. Raises on every rank alike (nothing here
+    communicates) when the mode is unknown, torch.distributed is not initialized, this process is not in
+    ``group``, or (weights mode) a width does not divide by the group's size; ``caller`` names the API in
+    those errors."""
     if mode is None:
-        return None
+        return SingleProcess(config)
     if mode not in MODES:
         raise ValueError(f"{caller}: parallel must be None or one of {MODES}, got {mode!r}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -118,40 +118,69 @@ def make_parallel(
     if dist.get_rank(group) < 0:
         raise ValueError(f"{caller}(parallel={mode!r}): this process is not a member of the group passed")
     if dist.get_world_size(group) == 1:
-        return None
+        return SingleProcess(config)
     return (WeightsParallel if mode == "weights" else DataParallel)(config, group)
 
 
-class _Parallel:
-    """What both modes share: the group, and the check that every rank passes the same batch."""
+class LocalWidths(NamedTuple):
+    """The widths of the parameters one rank holds: its attention heads, MLP hidden width and mergers'
+    hidden width (all of them, or 1/world of each under weight sharding)."""
 
-    mode = ""
+    num_heads: int
+    intermediate_size: int
+    merged_width: int
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
+
+class SingleProcess:
+    """The tower on one process: every parameter, the whole batch, no collective.
+
+    The interface every strategy offers the tower: :meth:`local_widths` and :attr:`all_reduce` say what
+    to build, :meth:`local_state_dict` what to load, and :meth:`run` encodes a batch through the
+    tower's own single-process encode.
+    """
+
+    mode: str | None = None
+    all_reduce: AllReduce | None = None
+
+    def __init__(self, config: VisionConfig):
         self.config = config
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.exchanges_on_host = has_cpu_backend(group)
 
-    def build(self, tower: VisionTransformer) -> None:
-        """Create this rank's parameters on ``tower`` (all of them unless the mode shards them)."""
+    def local_widths(self) -> LocalWidths:
         config = self.config
-        tower._build(config.num_heads, config.intermediate_size, _merged_width(config))
+        return LocalWidths(config.num_heads, config.intermediate_size, config.merged_width)
 
     def local_state_dict(self, state_dict: dict[str, torch.Tensor], local_shapes: dict[str, torch.Size]):
         """This rank's part of a whole tower's state dict (``local_shapes``: the tower's own parameters)."""
         return state_dict
 
-    def agree_on_batch(self, tower: VisionTransformer, pixel_values, grid_thw) -> np.ndarray:
+    def run(self, pixel_values: torch.Tensor, grid_thw, encode: Encode, device: torch.device):
+        """Encode a batch (``grid_thw`` as any of :func:`~qvl.vit.build_metadata`'s forms) with ``encode``,
+        called on this rank's part of it; returns ``(merged, deepstack)`` of the whole batch."""
+        grid = grid_as_numpy(grid_thw)
+        check_grid(grid, self.config.spatial_merge_size)
+        return encode(pixel_values, grid)
+
+
+class _Distributed(SingleProcess):
+    """What both modes share: the group, and the check that every rank passes the same batch."""
+
+    def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
+        super().__init__(config)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.exchanges_on_host = has_cpu_backend(group)
+
+    def agree_on_batch(self, pixel_values, grid_thw, device: torch.device) -> np.ndarray:
         """``grid_thw`` as a checked ``(N, 3)`` int64 array, once every rank has shown it holds the same
         valid batch. The local checks run before the exchange and their error is raised after it, so a
-        rank that fails them still takes part and the others learn of it instead of hanging."""
+        rank that fails them still takes part and the others learn of it instead of hanging. ``device``
+        carries the exchange when the group has no CPU backend."""
         problem = None
         try:
-            grid = _grid_as_numpy(grid_thw)
-            _check_grid(grid, self.config.spatial_merge_size)
-            shape = (int(np.prod(grid, axis=1).sum()), tower.patch_embed.proj.weight[0].numel())
+            grid = grid_as_numpy(grid_thw)
+            check_grid(grid, self.config.spatial_merge_size)
+            shape = (int(np.prod(grid, axis=1).sum()), self.config.patch_dim)
             if not isinstance(pixel_values, torch.Tensor) or tuple(pixel_values.shape) != shape:
                 got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values)
                 raise ValueError(f"VisionTransformer: pixel_values must have shape {shape}, got {got}")
@@ -159,7 +188,7 @@ class _Parallel:
             fingerprint = [1, int.from_bytes(digest, "little", signed=True), *shape]
         except (TypeError, ValueError) as error:
             problem, fingerprint = error, [0, 0, 0, 0]
-        local = torch.tensor(fingerprint, dtype=torch.int64, device="cpu" if self.exchanges_on_host else tower.device)
+        local = torch.tensor(fingerprint, dtype=torch.int64, device="cpu" if self.exchanges_on_host else device)
         everyone = _all_gather(local, 0, self.group).view(self.world_size, -1).tolist()
         if problem is not None:
             raise problem
@@ -178,13 +207,6 @@ class _Parallel:
         return grid
 
 
-def _merged_width(config: VisionConfig) -> int:
-    return config.hidden_size * config.spatial_merge_size**2
-
-
-# --------------------------------------------------------------------------------------------------
-# Weights mode
-# --------------------------------------------------------------------------------------------------
 _QKV = re.compile(r"blocks\.\d+\.attn\.qkv\.(weight|bias)")
 _COLUMN = re.compile(r"(blocks\.\d+\.mlp|merger|deepstack_merger_list\.\d+)\.linear_fc1\.(weight|bias)")
 _ROW = re.compile(
@@ -192,31 +214,32 @@ _ROW = re.compile(
 )
 
 
-class WeightsParallel(_Parallel):
+class WeightsParallel(_Distributed):
     """Tensor parallelism: this rank's heads and widths, and the all-reduce of the row-parallel linears."""
 
     mode = "weights"
 
     def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
         super().__init__(config, group)
-        widths = {
-            "num_heads": config.num_heads,
-            "intermediate_size": config.intermediate_size,
-            "hidden_size * spatial_merge_size**2 (the mergers' width)": _merged_width(config),
+        uneven = {
+            name: width
+            for name, width in zip(
+                ("num_heads", "intermediate_size", "hidden_size * spatial_merge_size**2 (the mergers' width)"),
+                super().local_widths(),
+            )
+            if width % self.world_size
         }
-        uneven = {name: width for name, width in widths.items() if width % self.world_size}
         if uneven:
             raise ValueError(
                 f"VisionTransformer(parallel='weights') splits heads and widths evenly over the group's "
                 f"{self.world_size} ranks, but {uneven} do not divide by {self.world_size}"
             )
+        self.all_reduce = self._all_reduce
 
-    def build(self, tower: VisionTransformer) -> None:
-        config, ways = self.config, self.world_size
-        tower._build(config.num_heads // ways, config.intermediate_size // ways, _merged_width(config) // ways)
-        tower._all_reduce = self.all_reduce
+    def local_widths(self) -> LocalWidths:
+        return LocalWidths(*(width // self.world_size for width in super().local_widths()))
 
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(partial, "sum", self.group)
 
     def local_state_dict(self, state_dict, local_shapes):
@@ -251,240 +274,13 @@ class WeightsParallel(_Parallel):
             return 1
         return None
 
-    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw):
-        grid = self.agree_on_batch(tower, pixel_values, grid_thw)
-        return tower._encode_local(pixel_values, tower.metadata(grid))
-
-    def encode(self, tower: VisionTransformer, pixel_values: torch.Tensor, meta: VisionMetadata):
-        self.agree_on_batch(tower, pixel_values, meta.grid_thw)
-        return tower._encode_local(pixel_values, meta)
+    def run(self, pixel_values, grid_thw, encode, device):
+        return encode(pixel_values, self.agree_on_batch(pixel_values, grid_thw, device))
 
 
-# --------------------------------------------------------------------------------------------------
-# Data mode: the cost model and the balancer (pure functions of grid_thw, so every rank computes the
-# same plan without communicating), then the split, the local forward and one gather.
-# --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SegmentCost:
-    """Forward FLOPs of one attention segment (one temporal slice) of ``n`` tokens:
-    ``linear * n + quadratic * n**2``, in Python integers so every rank's sums agree exactly."""
-
-    linear: int
-    quadratic: int
-
-    @classmethod
-    def from_config(cls, config: VisionConfig) -> SegmentCost:
-        """Per token: patch embed, each block's qkv / proj / fc1 / fc2, and each merger's two linears
-        (run on a quarter of the tokens at four times the width); per pair of tokens in a segment, each
-        block's attention (``q k^T`` and ``p v``: 4 * hidden FLOPs)."""
-        hidden, merged = config.hidden_size, _merged_width(config)
-        patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        block = 2 * hidden * (4 * hidden + 2 * config.intermediate_size)
-        mergers = (1 + len(config.deepstack_visual_indexes)) * 2 * hidden * (merged + config.out_hidden_size)
-        return cls(linear=2 * patch * hidden + config.depth * block + mergers, quadratic=config.depth * 4 * hidden)
-
-    def __call__(self, n: int) -> int:
-        return n * (self.linear + self.quadratic * n)
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Temporal slices ``start:stop`` of batch entry ``entry``: whole attention segments, which the
-    tower encodes independently of everything else (attention, position embedding and the 2x2 mergers
-    all stay inside one slice)."""
-
-    entry: int
-    start: int
-    stop: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DataPlan:
-    """Who encodes what: ``shares[rank]`` lists that rank's pieces (by entry), ``loads[rank]`` their cost."""
-
-    grid: Grid
-    shares: tuple[tuple[Piece, ...], ...]
-    loads: tuple[int, ...]
-
-    @property
-    def makespan(self) -> int:
-        return max(self.loads)
-
-    def local_grid(self, rank: int) -> list[tuple[int, int, int]]:
-        """grid_thw of ``rank``'s share, one row per piece."""
-        return [(piece.stop - piece.start, *self.grid[piece.entry][1:]) for piece in self.shares[rank]]
-
-    def merged_rows(self, rank: int, merge: int) -> int:
-        """Rows of merger output ``rank`` produces (``merge``: spatial_merge_size)."""
-        return sum(t * h * w for t, h, w in self.local_grid(rank)) // merge**2
-
-    def gather_index(self, merge: int, stride: int) -> np.ndarray:
-        """For merger outputs gathered as ``(world * stride, width)``, each rank's rows padded to
-        ``stride``: the gathered row of every output row in input order."""
-        located = []  # (entry, start, first gathered row, rows)
-        for rank, share in enumerate(self.shares):
-            offset = rank * stride
-            for piece in share:
-                _, h, w = self.grid[piece.entry]
-                rows = (piece.stop - piece.start) * h * w // merge**2
-                located.append((piece.entry, piece.start, offset, rows))
-                offset += rows
-        located.sort()
-        if not located:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(first, first + rows, dtype=np.int64) for _, _, first, rows in located])
-
-
-def _as_grid(grid_thw) -> Grid:
-    return tuple((int(t), int(h), int(w)) for t, h, w in _grid_as_numpy(grid_thw).tolist())
-
-
-def lower_bound(grid_thw, world_size: int, cost: SegmentCost) -> int:
-    """No plan's makespan is below this: the average load, or the dearest single segment."""
-    grid = _as_grid(grid_thw)
-    return _lower_bound(grid, [cost(h * w) for _, h, w in grid], world_size)
-
-
-def _lower_bound(grid: Grid, unit: Sequence[int], world_size: int) -> int:
-    total = sum(t * cost for (t, _, _), cost in zip(grid, unit))
-    return max(-(-total // world_size), max(unit, default=0))
-
-
-def greedy_by_patches(grid_thw, world_size: int, cost: SegmentCost) -> DataPlan:
-    """What serving engines do: whole entries, most patches first, each to the rank with the fewest
-    patches so far. ``cost`` only prices the result."""
-    grid = _as_grid(grid_thw)
-    return _plan(grid, _greedy_counts(grid, world_size), [cost(h * w) for _, h, w in grid])
-
-
-def balance(grid_thw, world_size: int, cost: SegmentCost) -> DataPlan:
-    """Split a batch over ``world_size`` ranks so the dearest rank's cost (the makespan) is small.
-
-    The unit of work is one temporal slice (an attention segment) priced by ``cost``; a video's slices
-    may go to different ranks. The plan starts from longest-processing-time-first over the slices and is
-    improved by local search: move one slice, or swap two, between the dearest rank and another whenever
-    that lowers the larger of the two loads. Should :func:`greedy_by_patches` still do better, its plan is
-    improved the same way and kept, so the result is never worse than the engines' greedy split. The
-    search stops within 0.01 % of the lower bound, far below the cost model's own error, which bounds the
-    time on batches of thousands of images. Deterministic: equal inputs give equal plans on every rank.
-    """
-    if world_size < 1:
-        raise ValueError(f"balance: world_size must be >= 1, got {world_size}")
-    grid = _as_grid(grid_thw)
-    unit = [cost(h * w) for _, h, w in grid]
-    bound = _lower_bound(grid, unit, world_size)
-    good_enough = bound + bound // 10_000
-    plan = _plan(grid, _improve(_lpt_counts(grid, unit, world_size), unit, good_enough), unit)
-    greedy = _greedy_counts(grid, world_size)
-    if _plan(grid, greedy, unit).makespan < plan.makespan:
-        plan = min(plan, _plan(grid, _improve(greedy, unit, good_enough), unit), key=lambda p: p.makespan)
-    return plan
-
-
-# counts[rank] = {entry: temporal slices of that entry the rank encodes}
-Counts = list[dict[int, int]]
-
-
-def _lpt_counts(grid: Grid, unit: Sequence[int], world_size: int) -> Counts:
-    """Each slice, dearest first, to the least loaded rank."""
-    counts: Counts = [{} for _ in range(world_size)]
-    ranks = [(0, rank) for rank in range(world_size)]
-    for entry in sorted(range(len(grid)), key=lambda e: (-unit[e], e)):
-        for _ in range(grid[entry][0]):
-            load, rank = heapq.heappop(ranks)
-            counts[rank][entry] = counts[rank].get(entry, 0) + 1
-            heapq.heappush(ranks, (load + unit[entry], rank))
-    return counts
-
-
-def _greedy_counts(grid: Grid, world_size: int) -> Counts:
-    counts: Counts = [{} for _ in range(world_size)]
-    ranks = [(0, rank) for rank in range(world_size)]
-    for entry in sorted(range(len(grid)), key=lambda e: (-grid[e][0] * grid[e][1] * grid[e][2], e)):
-        patches, rank = heapq.heappop(ranks)
-        counts[rank][entry] = grid[entry][0]
-        heapq.heappush(ranks, (patches + grid[entry][0] * grid[entry][1] * grid[entry][2], rank))
-    return counts
-
-
-def _improve(counts: Counts, unit: Sequence[int], good_enough: int) -> Counts:
-    """Local search from ``counts`` (see :func:`balance`) until the makespan is ``good_enough`` or no
-    step helps; returns new counts.
-
-    Slices of equal cost are interchangeable, so each rank is held as ``{cost: {entry: slices}}`` and a
-    step searches the distinct costs only: between the dearest rank and a rank ``gap`` cheaper, handing
-    over ``d`` (a slice's cost, less the cost of one taken back, if any) leaves the pair's larger load at
-    ``top - min(d, gap - d)``, so for each cost given the best cost taken back is the one nearest to
-    ``given - gap / 2``, found by bisection. Every step lowers the sum of squared loads, so the search
-    ends; the step cap only bounds the time on pathological batches.
-    """
-    world_size = len(counts)
-    held: list[dict[int, dict[int, int]]] = [{} for _ in range(world_size)]
-    for rank, row in enumerate(counts):
-        for entry, count in row.items():
-            held[rank].setdefault(unit[entry], {})[entry] = count
-    loads = [sum(cost * sum(entries.values()) for cost, entries in costs.items()) for costs in held]
-    distinct = [sorted(costs) for costs in held]
-    for _ in range(world_size * sum(sum(row.values()) for row in counts)):
-        top = max(range(world_size), key=lambda rank: (loads[rank], -rank))
-        if loads[top] <= good_enough:
-            break
-        best = None  # (new larger load of the pair, other rank, cost given, cost taken back or 0)
-        for other in range(world_size):
-            gap = loads[top] - loads[other]
-            if gap <= 0:
-                continue
-            takes = [0, *distinct[other]]
-            for give in distinct[top]:
-                nearest = bisect.bisect_left(takes, give - gap // 2)
-                for take in takes[max(nearest - 1, 0) : nearest + 1]:
-                    handed = give - take
-                    if 0 < handed < gap:
-                        larger = loads[top] - min(handed, gap - handed)
-                        if best is None or larger < best[0]:
-                            best = (larger, other, give, take)
-        if best is None:
-            break
-        _, other, give, take = best
-        _move(held, top, other, give)
-        if take:
-            _move(held, other, top, take)
-        loads[top] += take - give
-        loads[other] += give - take
-        distinct[top], distinct[other] = sorted(held[top]), sorted(held[other])
-    return [{entry: count for entries in costs.values() for entry, count in entries.items()} for costs in held]
-
-
-def _move(held: list[dict[int, dict[int, int]]], source: int, target: int, cost: int) -> None:
-    """Move one slice of cost ``cost`` from ``source`` to ``target``, from an entry ``target`` already
-    holds if there is one (fewer pieces)."""
-    entries, theirs = held[source][cost], held[target].setdefault(cost, {})
-    entry = next((e for e in entries if e in theirs), next(iter(entries)))
-    entries[entry] -= 1
-    if not entries[entry]:
-        del entries[entry]
-        if not entries:
-            del held[source][cost]
-    theirs[entry] = theirs.get(entry, 0) + 1
-
-
-def _plan(grid: Grid, counts: Counts, unit: Sequence[int]) -> DataPlan:
-    """Turn per-rank slice counts into pieces: each entry's slices go out in rank order, so a rank's
-    part of an entry is one contiguous range and the outputs re-join by concatenation."""
-    next_slice = [0] * len(grid)
-    shares = []
-    for row in counts:
-        share = []
-        for entry in sorted(row):
-            share.append(Piece(entry, next_slice[entry], next_slice[entry] + row[entry]))
-            next_slice[entry] += row[entry]
-        shares.append(tuple(share))
-    loads = tuple(sum(unit[entry] * count for entry, count in row.items()) for row in counts)
-    return DataPlan(grid, tuple(shares), loads)
-
-
-class DataParallel(_Parallel):
-    """Data parallelism: replicated weights, the batch split by :func:`balance`, one all-gather."""
+class DataParallel(_Distributed):
+    """Data parallelism: replicated weights, the batch split by :func:`~qvl.vit.balance.balance`, one
+    all-gather."""
 
     mode = "data"
 
@@ -492,11 +288,9 @@ class DataParallel(_Parallel):
         super().__init__(config, group)
         self.cost = SegmentCost.from_config(config)
 
-    def forward(self, tower: VisionTransformer, pixel_values: torch.Tensor, grid_thw, encode_share=None):
-        """Encode this rank's share and gather everyone's. ``encode_share(pixel_values, grid) -> (merged,
-        deepstack)`` encodes one share; it defaults to ``tower``'s own single-process encode (the
-        transformers patch passes one that runs over transformers' modules)."""
-        grid = self.agree_on_batch(tower, pixel_values, grid_thw)
+    def run(self, pixel_values, grid_thw, encode, device):
+        """Encode this rank's share with ``encode`` and gather everyone's, in input order."""
+        grid = self.agree_on_batch(pixel_values, grid_thw, device)
         merge = self.config.spatial_merge_size
         plan = balance(grid, self.world_size, self.cost)
         entry_rows = np.concatenate([[0], np.cumsum(np.prod(grid, axis=1))]).tolist()
@@ -508,11 +302,7 @@ class DataParallel(_Parallel):
         # A new tensor, not a view: the compiled forward guards on its input's storage offset (0, 1 or more),
         # and a rank's share starts at a different row in every batch.
         local_pixels = torch.cat(parts or [pixel_values[:0]])
-        local_grid = plan.local_grid(self.rank)
-        if encode_share is None:
-            merged, deepstack = tower._encode_local(local_pixels, tower.metadata(local_grid))
-        else:
-            merged, deepstack = encode_share(local_pixels, local_grid)
+        merged, deepstack = encode(local_pixels, np.array(plan.local_grid(self.rank), dtype=np.int64).reshape(-1, 3))
 
         stride = max(plan.merged_rows(rank, merge) for rank in range(self.world_size))
         if stride == 0:
@@ -522,10 +312,6 @@ class DataParallel(_Parallel):
         local = merged.new_empty(stride, merged.shape[1] * (1 + len(deepstack)))
         torch.cat([merged, *deepstack], dim=1, out=local[: merged.shape[0]])
         gathered = _all_gather(local, 0, self.group)
-        order = _to_device(torch.from_numpy(plan.gather_index(merge, stride)), gathered.device)
+        order = to_device(torch.from_numpy(plan.gather_index(merge, stride)), gathered.device)
         merged, *deepstack = gathered.index_select(0, order).split(merged.shape[1], dim=1)
         return merged.contiguous(), [features.contiguous() for features in deepstack]
-
-    def encode(self, tower: VisionTransformer, pixel_values: torch.Tensor, meta: VisionMetadata):
-        # Only meta's grid is used: each rank builds the metadata of its own share.
-        return self.forward(tower, pixel_values, meta.grid_thw)

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qvl.kernels import attention, merger, pos_embed, rotary  # noqa: E402
+from qvl.kernels import attention, gelu, layer_norm, pos_embed, rotary  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
@@ -72,13 +72,13 @@ def main():
         {"ADD": True, "NUM_TAPS": 4, "BLOCK_T": 32, "BLOCK_C": 128}, 4,
     )
     compile_variant(
-        "add_layer_norm C=4608", merger._layer_norm_kernel,
+        "add_layer_norm C=4608", layer_norm._layer_norm_kernel,
         {"X": b, "Delta": b, "Sum": b, "Weight": b, "Bias": b, "Y": b}, {"eps"},
         {"BLOCK_M": 1, "BLOCK_C": 8192, "HAS_DELTA": True}, 8,
     )
     for tanh in (False, True):
         compile_variant(
-            f"bias_gelu tanh={tanh}", merger._bias_gelu_kernel,
+            f"bias_gelu tanh={tanh}", gelu._bias_gelu_kernel,
             {"X": b, "Bias": b, "Y": b}, set(),
             {"BLOCK_M": 4, "BLOCK_N": 1024, "APPROXIMATE_TANH": tanh}, 4,
         )

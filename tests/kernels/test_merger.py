@@ -18,13 +18,9 @@ from transformers import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionMLP, Qwen3VLVisionPatchMerger
 
 from qvl.kernels.common import backend_for, force_backend
-from qvl.kernels.merger import (
-    MAX_NORM_DIM,
-    bias_gelu_reference,
-    layer_norm_reference,
-    patch_merger,
-    vision_mlp,
-)
+from qvl.kernels.gelu import bias_gelu_reference
+from qvl.kernels.layer_norm import MAX_NORM_DIM, layer_norm_reference
+from qvl.vit.layers import patch_merger, vision_mlp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The tanh GELU's exp2 overflows to inf for large negative inputs by design (the result is then -0);

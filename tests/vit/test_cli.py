@@ -24,7 +24,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from qvl.kernels import force_backend
 from qvl.vit import cli
 from qvl.vit.checkpoint import save_vision_checkpoint
-from qvl.vit.model import VisionConfig, VisionTransformer
+from qvl.vit import VisionConfig, VisionTransformer
 
 IMAGE_SIZES = {"square.png": (64, 64), "wide.jpg": (96, 160), "tiny.png": (32, 32)}  # name: (height, width)
 TINY_CONFIG = VisionConfig(

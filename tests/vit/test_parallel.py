@@ -127,13 +127,8 @@ import pytest  # noqa: E402
 from qvl.kernels import force_backend  # noqa: E402
 from qvl.vit import VisionConfig, VisionTransformer  # noqa: E402
 from qvl.vit.checkpoint import save_vision_checkpoint  # noqa: E402
-from qvl.vit.parallel import (  # noqa: E402
-    SegmentCost,
-    balance,
-    greedy_by_patches,
-    has_cpu_backend,
-    lower_bound,
-)
+from qvl.vit.balance import SegmentCost, balance, greedy_by_patches, lower_bound  # noqa: E402
+from qvl.vit.parallel import has_cpu_backend  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,144 @@
+"""Bias + GELU, the epilogue of a bias-less GEMM: ``torch.ops.qvl.bias_gelu`` and its in-place twin
+``torch.ops.qvl.bias_gelu_`` (exact-erf GELU for the patch mergers, tanh GELU for the blocks' MLP).
+
+The kernel is memory bound: it reads x and the bias once and writes once, computing in fp32 and rounding
+once on the store.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import FLOAT_DTYPES, FMA_CONTRACTION, backend_for, check_same_device, check_tensor, device_guard
+
+__all__ = ["GELU_APPROXIMATIONS", "bias_gelu", "bias_gelu_", "bias_gelu_reference"]
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+_LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _bias_gelu_kernel(
+    # pointers
+    X,
+    Bias,
+    Y,
+    # sizes
+    num_rows,
+    num_cols,
+    # strides (rows); the last dim is contiguous
+    stride_xm,
+    stride_ym,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    APPROXIMATE_TANH: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < num_cols
+    mask = (rows < num_rows)[:, None] & mask_n[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    bias = tl.load(Bias + cols, mask=mask_n, other=0.0)
+    v = x.to(tl.float32) + bias.to(tl.float32)[None, :]
+    if APPROXIMATE_TANH:
+        # v * (1 + tanh(u)) / 2 == v * sigmoid(2u): one exp2 and no tanh (which the interpreter lacks),
+        # and no cancellation in 1 + tanh(u) for u << 0. Overflow is benign: exp2 -> inf gives -0.
+        u = v * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_KAPPA) * v * v)
+        y = v / (1.0 + tl.exp2(u * (-2.0 * _LOG2_E)))
+    else:
+        y = 0.5 * v * (1.0 + tl.math.erf(v * _SQRT1_2))
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch_bias_gelu(x, bias, y, approximate: str) -> None:
+    num_rows, num_cols = x.shape
+    if x.numel() == 0:
+        return
+    block_n = min(1024, triton.next_power_of_2(num_cols))
+    block_m = max(1, 4096 // block_n)
+    # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
+    with device_guard(x.device):
+        _bias_gelu_kernel[grid](
+            x, bias, y,
+            num_rows, num_cols,
+            x.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, APPROXIMATE_TANH=approximate == "tanh",
+            num_warps=4,
+            **FMA_CONTRACTION,
+        )  # fmt: skip
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """Pure-torch ``gelu(x + bias)`` in fp32 (float64 stays float64), one rounding to x's dtype,
+    returned contiguous."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = F.gelu(x.to(compute) + bias.to(compute), approximate=approximate)
+    return y.to(x.dtype).contiguous()
+
+
+def _check_bias_gelu_args(op: str, x, bias, approximate) -> None:
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    if bias.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: bias must have shape (F,) = ({x.shape[1]},), got {tuple(bias.shape)}")
+    if bias.dtype != x.dtype:
+        raise TypeError(f"{op}: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+    check_same_device(op, {"x": x, "bias": bias})
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"{op}: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+
+
+@torch.library.custom_op("qvl::bias_gelu", mutates_args=(), device_types=("cpu", "cuda"))
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(x + bias)``: the epilogue of a bias-less ``x = h @ W^T``.
+
+    Args:
+        x: ``(N, F)`` fp16/bf16/fp32, last dim contiguous (row stride free).
+        bias: contiguous ``(F,)`` in x's dtype, on x's device.
+        approximate: ``"none"`` (exact erf GELU, the patch mergers' ``nn.GELU()``) or ``"tanh"``
+            (``gelu_pytorch_tanh``, the blocks' MLP).
+
+    Returns a new contiguous ``(N, F)`` tensor in x's dtype. ``x + bias`` and the GELU are computed in
+    fp32 and rounded once. Compared with eager ``F.gelu(F.linear(h, W, b))``, which rounds
+    ``h @ W^T + b`` to the dtype before the GELU, the caller's bias-less GEMM rounds ``h @ W^T`` before
+    the bias instead: results agree within one rounding of the dtype at the GELU's input (in fp32, within
+    fp32 rounding). Nothing is mutated. Forward only.
+    """
+    _check_bias_gelu_args("bias_gelu", x, bias, approximate)
+    if backend_for(x.device) == "torch":
+        return bias_gelu_reference(x, bias, approximate)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_bias_gelu(x, bias, y, approximate)
+    return y
+
+
+@bias_gelu.register_fake
+def _(x, bias, approximate="none"):
+    _check_bias_gelu_args("bias_gelu", x, bias, approximate)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("qvl::bias_gelu_", mutates_args=("x",), device_types=("cpu", "cuda"))
+def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> None:
+    """In-place :func:`bias_gelu`: overwrites ``x`` with ``gelu(x + bias)`` where it lies (row-strided
+    views included; ``bias`` must not overlap ``x``). Returns nothing."""
+    _check_bias_gelu_args("bias_gelu_", x, bias, approximate)
+    if backend_for(x.device) == "torch":
+        x.copy_(bias_gelu_reference(x, bias, approximate))
+        return
+    _launch_bias_gelu(x, bias, x, approximate)
+
+
+@bias_gelu_.register_fake
+def _(x, bias, approximate="none"):
+    _check_bias_gelu_args("bias_gelu_", x, bias, approximate)

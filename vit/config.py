@@ -1,0 +1,91 @@
+"""The shape of a Qwen3-VL vision tower, read from transformers configs or config.json dicts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["VisionConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The shape of a Qwen3-VL vision tower (defaults: Qwen3-VL-8B)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    num_heads: int = 16
+    intermediate_size: int = 4304
+    out_hidden_size: int = 4096
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        side = int(round(self.num_position_embeddings**0.5))
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise ValueError(f"VisionConfig: hidden_act must be 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise ValueError(f"VisionConfig: deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth")
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return int(round(self.num_position_embeddings**0.5))
+
+    @property
+    def merged_width(self) -> int:
+        """Width of a merged token, ``hidden_size * spatial_merge_size**2``: the mergers' fc1 in and out."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf(cls, config: object) -> VisionConfig:
+        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, or a full model config)."""
+        config = getattr(config, "vision_config", config)
+        rope = getattr(config, "rope_parameters", None) or {}
+        return cls(
+            depth=config.depth,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            intermediate_size=config.intermediate_size,
+            out_hidden_size=config.out_hidden_size,
+            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
+            patch_size=config.patch_size,
+            temporal_patch_size=config.temporal_patch_size,
+            spatial_merge_size=config.spatial_merge_size,
+            in_channels=config.in_channels,
+            num_position_embeddings=config.num_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            hidden_act=config.hidden_act,
+        )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> VisionConfig:
+        """From a config.json dict: a full Qwen3-VL config (its ``vision_config``) or a vision config."""
+        values = values.get("vision_config", values)
+        rope = values.get("rope_parameters") or {}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in fields}
+        if "deepstack_visual_indexes" in kwargs:
+            kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = float(rope["rope_theta"])
+        return cls(**kwargs)
