@@ -23,8 +23,8 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.0", "pillow"],
-        "hf": ["transformers>=5.0", "pillow"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.0", "pillow", "tqdm", "ruff==0.17.6"],
+        "hf": ["transformers>=5.0", "pillow", "tqdm"],
         "flash": ["flash-attn"],
     },
     entry_points={"console_scripts": ["qvl = qvl.vit.cli:main"]},

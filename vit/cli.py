@@ -230,31 +230,27 @@ class _Preparer:
 
 
 class _Progress:
-    """A one-line progress bar on stderr, drawn only on a terminal so that logs get no carriage returns."""
-
-    WIDTH = 30
+    """tqdm's bar over the inputs on stderr with inputs/s and patches/s, drawn only on a terminal so that
+    logs get no carriage returns."""
 
     def __init__(self, total: int, stream=None, enabled: bool = True):
-        self.total = total
-        self.stream = sys.stderr if stream is None else stream
-        self.enabled = enabled and self.stream.isatty()
-        self.start = time.perf_counter()
-        self.update(0)  # shown before the first batch, which can be slow (compilation, warm-up)
+        from tqdm import tqdm
 
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        filled = self.WIDTH * done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(f"\rqvl: encode [{bar}] {done}/{self.total} inputs, {rate:.1f}/s")
-        self.stream.flush()
+        stream = sys.stderr if stream is None else stream
+        self.patches = 0
+        # Drawn before the first batch, which can be slow (compilation, warm-up).
+        self.bar = tqdm(total=total, desc="qvl: encode", unit="input", file=stream,
+                        disable=not (enabled and stream.isatty()), dynamic_ncols=True)  # fmt: skip
+
+    def update(self, inputs: int, patches: int) -> None:
+        """Count ``inputs`` more inputs of ``patches`` patches in all as done."""
+        self.patches += patches
+        elapsed = self.bar.format_dict["elapsed"]
+        self.bar.set_postfix_str(f"{self.patches / elapsed if elapsed > 0 else 0.0:.0f} patches/s", refresh=False)
+        self.bar.update(inputs)
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.close()
 
 
 def _positive_int(text: str) -> int:
@@ -480,7 +476,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
                 for offset, part in enumerate(features.cpu().split(counts)):
                     tensors[f"image.{first + offset}.{name}"] = part.clone()
             grids.extend(batch_grids)
-            progress.update(len(grids))
+            progress.update(len(batch_grids), sum(t * h * w for t, h, w in batch_grids))
     elapsed = time.perf_counter() - start
     progress.close()
 

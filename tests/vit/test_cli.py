@@ -200,9 +200,10 @@ def test_progress_bar_draws_only_on_a_terminal():
     terminal, log = Terminal(), io.StringIO()
     for stream in (terminal, log):
         progress = cli._Progress(4, stream)
-        progress.update(2)
+        progress.update(2, 96)
         progress.close()
-    assert "2/4 inputs" in terminal.getvalue() and terminal.getvalue().endswith("\n")
+    drawn = terminal.getvalue()
+    assert "2/4" in drawn and "input/s" in drawn and "patches/s" in drawn and drawn.endswith("\n")
     assert log.getvalue() == ""
 
 
