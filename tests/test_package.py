@@ -1,5 +1,6 @@
 """Packaging facts: import names, no heavy work at import, no second copy of the ops."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -33,3 +34,60 @@ def test_import_registers_ops_without_compiling_or_touching_a_gpu():
         " torch.cuda.is_initialized())"
     )
     assert out == "True False"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """For each module of qvl (``qvl.kernels.*``, ``qvl.vit.*``) and bench, the modules it imports, read from
+    the source (any depth: function-level imports count too), with relative imports resolved."""
+    packages = {"qvl.kernels": ROOT / "kernels", "qvl.vit": ROOT / "vit", "bench": ROOT / "bench"}
+    imports = {}
+    for package, folder in packages.items():
+        for path in sorted(folder.glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    found.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                        base = f"{parent}.{base}" if base else parent
+                    found.add(base)
+                    found.update(f"{base}.{alias.name}" for alias in node.names)
+            imports[name] = found
+    return imports
+
+
+def test_no_import_cycle_between_qvl_modules():
+    imports = module_imports()
+    graph = {name: {other for other in found if other in imports and other != name} for name, found in imports.items()}
+    # A package's __init__ re-exports its modules; the cycle that matters is between modules.
+    graph = {name: {o for o in deps if not (o in ("qvl.kernels", "qvl.vit") and name.startswith(o + "."))}
+             for name, deps in graph.items()}  # fmt: skip
+    visiting, done = [], set()
+
+    def visit(name):
+        if name in done:
+            return
+        assert name not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(name):] + [name])}"
+        visiting.append(name)
+        for other in sorted(graph[name]):
+            visit(other)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_floors_import_only_downwards():
+    """kernels/ is single-device (no torch.distributed, nothing of qvl.vit or bench); vit/ knows nothing of
+    bench; the balancer is pure (no torch.distributed)."""
+    imports = module_imports()
+    for name, found in imports.items():
+        if name.startswith("qvl.kernels"):
+            assert not {m for m in found if m.startswith(("torch.distributed", "qvl.vit", "bench"))}, name
+        if name.startswith("qvl.vit"):
+            assert not {m for m in found if m.startswith("bench")}, name
+    assert not {m for m in imports["qvl.vit.balance"] if m.startswith("torch")}
