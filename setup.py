@@ -23,7 +23,16 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=5.0", "pillow", "tqdm", "ruff==0.17.6"],
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "hypothesis",
+            "transformers>=5.0",
+            "pillow",
+            "tqdm",
+            "ruff==0.17.6",
+            "accelerate",
+        ],
         "hf": ["transformers>=5.0", "pillow", "tqdm"],
         "flash": ["flash-attn"],
     },

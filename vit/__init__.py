@@ -1,6 +1,6 @@
 """qvl.vit: the Qwen3-VL vision tower on qvl kernels, its metadata, checkpoints and the transformers patch."""
 
-from .hf_patch import is_patched, patch_model, register_attention
+from .hf_patch import is_patched, patch_model, register_attention, unpatch_model
 from .metadata import VisionMetadata, build_metadata
 from .config import VisionConfig
 from .model import VisionTransformer, tower_forward
@@ -14,4 +14,5 @@ __all__ = [
     "patch_model",
     "register_attention",
     "tower_forward",
+    "unpatch_model",
 ]

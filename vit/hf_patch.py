@@ -3,13 +3,15 @@
 The patch replaces only the ``forward`` of the model's vision module instance with one that runs
 :func:`qvl.vit.model.tower_forward` over the module's *own* parameters. Nothing is copied or renamed,
 so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype casts keep working, and
-the weights stay where transformers put them.
+the weights stay where transformers put them. Calls that qvl's fused tower cannot serve (attention outputs,
+gradients, a tower offloaded submodule by submodule) run the forward the patch replaced, transformers' own,
+with an :class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward back.
 """
 
 from __future__ import annotations
 
-import functools
 import types
+import warnings
 
 import torch
 from torch import nn
@@ -18,36 +20,57 @@ from .metadata import build_metadata
 from .model import VisionConfig, tower_forward
 from .parallel import make_parallel
 
-__all__ = ["ATTENTION_NAME", "patch_model", "is_patched", "register_attention", "SUPPORTED_MODELS"]
+__all__ = [
+    "ATTENTION_NAME",
+    "SUPPORTED_MODEL_TYPES",
+    "UnfusedFallbackWarning",
+    "is_patched",
+    "patch_model",
+    "register_attention",
+    "unpatch_model",
+]
 
-SUPPORTED_MODELS = (
-    "Qwen3VLForConditionalGeneration",
-    "Qwen3VLModel",
-    "Qwen3VLVisionModel",
-    "Qwen3VLMoeForConditionalGeneration",
-    "Qwen3VLMoeModel",
-    "Qwen3VLMoeVisionModel",
-)
-_VISION_MODELS = ("Qwen3VLVisionModel", "Qwen3VLMoeVisionModel")
-_MARK = "_qvl_patched"
+_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+_VISION_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+# The config.model_type of the models patch_model takes (whatever their class: subclasses are welcome).
+SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
 ATTENTION_NAME = "qvl_vision"
 
 
-def _vision_module(model: nn.Module) -> nn.Module:
-    name = type(model).__name__
-    if name in _VISION_MODELS:
-        return model
-    if name in SUPPORTED_MODELS:
-        inner = getattr(model, "model", model)
-        visual = getattr(inner, "visual", None)
-        if visual is not None and type(visual).__name__ in _VISION_MODELS:
+class UnfusedFallbackWarning(UserWarning):
+    """A patched vision tower ran transformers' own (unfused) forward for a call qvl cannot serve; the message
+    says why. Each reason is warned about once (Python's default warning filter); filter this category to
+    silence them."""
+
+
+def _model_type(module) -> str | None:
+    return getattr(getattr(module, "config", None), "model_type", None)
+
+
+def _vision_module(model: nn.Module, caller: str) -> nn.Module:
+    """The vision module of ``model``, found by ``config.model_type``: the model itself, its ``visual``, or that
+    of the first module down its chain of ``.model`` attributes (transformers' own nesting and wrappers')."""
+    module, seen = model, set()
+    while isinstance(module, nn.Module) and id(module) not in seen:
+        seen.add(id(module))
+        model_type = _model_type(module)
+        if model_type in _VISION_MODEL_TYPES:
+            return module
+        visual = getattr(module, "visual", None)
+        if model_type in _FULL_MODEL_TYPES and _model_type(visual) in _VISION_MODEL_TYPES:
             return visual
-    raise TypeError(f"patch_model: unsupported model {name}; supported: {', '.join(SUPPORTED_MODELS)}")
+        module = getattr(module, "model", None)
+    raise TypeError(
+        f"{caller}: unsupported model {type(model).__name__}; supported: a transformers Qwen3-VL model, recognised by"
+        f" its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: Qwen3VLForConditionalGeneration,"
+        " Qwen3VLModel, Qwen3VLVisionModel, their MoE variants and subclasses), or a module whose .model is one"
+    )
 
 
-def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor, grid_thw):
-    """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters."""
+def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor, grid_thw, hidden_states_out=None):
+    """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters;
+    ``hidden_states_out``: see :func:`tower_forward`."""
     weight = visual.pos_embed.weight
     meta = build_metadata(
         grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
@@ -66,41 +89,161 @@ def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor
         rope_theta=config.rope_theta,
         deepstack_visual_indexes=config.deepstack_visual_indexes,
         spatial_merge_size=config.spatial_merge_size,
+        hidden_states_out=hidden_states_out,
     )
 
 
-def _qvl_vision_forward(
-    self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, *, config: VisionConfig,
-    data_parallel=None, **kwargs,
-):
-    """Drop-in for ``Qwen3VLVisionModel.forward`` on qvl kernels (same outputs).
+def _select_hidden_states(states: list[torch.Tensor], request) -> tuple[torch.Tensor | None, ...]:
+    """transformers' ``output_hidden_states`` selection: True keeps every state; an index or a list of indices
+    (negative ones count from the end, out-of-range ones select nothing) keeps those and leaves None elsewhere."""
+    if isinstance(request, bool):
+        return tuple(states)
+    count = len(states)
+    kept = {i % count for i in ([request] if isinstance(request, int) else request) if -count <= i < count}
+    return tuple(state if i in kept else None for i, state in enumerate(states))
 
-    ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed
-    metadata keyword arguments from transformers are ignored, as qvl builds its own. With
-    ``data_parallel`` each rank encodes its share and ``last_hidden_state`` is None: only the merged and
-    deepstack features are gathered.
+
+class _PatchedForward:
+    """The vision module's forward while patched: an instance attribute, in the slot that holds the forward the
+    module runs (``forward``, or ``_old_forward`` under accelerate's hook wrapper).
+
+    It keeps what the patch replaced (None: the class's own method), so that calls qvl cannot serve run that
+    forward and :func:`unpatch_model` puts it back.
     """
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    if data_parallel is None:
-        last_hidden, merged, deepstack = _encode(self, config, hidden_states, grid_thw)
-    else:
-        last_hidden = None
-        merged, deepstack = data_parallel.run(
-            hidden_states, grid_thw, lambda pixels, grid: _encode(self, config, pixels, grid)[1:], self.pos_embed.weight.device
+    def __init__(self, visual, replaced_forward, replaced_extra_repr, config: VisionConfig, data_parallel):
+        self.visual = visual
+        self.replaced_forward = replaced_forward
+        self.replaced_extra_repr = replaced_extra_repr
+        self.config = config
+        self.data_parallel = data_parallel
+
+    def original_forward(self):
+        """The forward the patch replaced, bound to the module."""
+        return self.replaced_forward or types.MethodType(type(self.visual).forward, self.visual)
+
+    def extra_repr(self) -> str:
+        """The module's own ``extra_repr`` and a line saying that the forward is patched (``print(model)``)."""
+        replaced = self.replaced_extra_repr or types.MethodType(type(self.visual).extra_repr, self.visual)
+        own = replaced()
+        mode = "" if self.data_parallel is None else "(parallel='data')"
+        marker = f"forward patched by qvl.vit.patch_model{mode}"
+        return f"{own}\n{marker}" if own else marker
+
+    def _unfused_reason(self, hidden_states: torch.Tensor, output_hidden_states, kwargs) -> str | None:
+        """Why this call cannot run on qvl, or None."""
+        visual = self.visual
+        if kwargs.get("output_attentions", getattr(visual.config, "output_attentions", False)):
+            return "per-layer attention outputs were requested (output_attentions); qvl's fused attention has none"
+        devices = {param.device for param in visual.parameters()}
+        if len(devices) > 1 or torch.device("meta") in devices:
+            return (
+                "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
+                " until each submodule's hook loads them; or split over devices by a device map)"
+            )
+        if torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(param.requires_grad for param in visual.parameters())
+        ):
+            return (
+                "gradients are required and qvl's ops have no autograd yet, so training runs unfused until they do"
+                " (for inference use torch.no_grad() or torch.inference_mode(); a frozen tower,"
+                " requires_grad_(False), runs on qvl)"
+            )
+        if self.data_parallel is not None and output_hidden_states:
+            return (
+                "output_hidden_states was requested in data-parallel mode, where each rank encodes only its share"
+                " of the tokens; every rank runs the whole batch"
+            )
+        return None
+
+    def __call__(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+        """``Qwen3VLVisionModel.forward`` on qvl kernels: the same outputs (see :func:`patch_model`).
+
+        ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed metadata
+        keyword arguments from transformers are ignored, as qvl builds its own.
+        """
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        hf_config = self.visual.config
+        output_hidden_states = kwargs.get("output_hidden_states", getattr(hf_config, "output_hidden_states", False))
+        reason = self._unfused_reason(hidden_states, output_hidden_states, kwargs)
+        if reason is not None:
+            message = f"qvl.vit.patch_model: {reason}; this call runs transformers' own vision forward"
+            warnings.warn(message, UnfusedFallbackWarning)
+            return self.original_forward()(hidden_states, grid_thw, **kwargs)
+
+        hidden = [] if output_hidden_states else None
+        if self.data_parallel is None:
+            last_hidden, merged, deepstack = _encode(self.visual, self.config, hidden_states, grid_thw, hidden)
+        else:
+            last_hidden = None
+            merged, deepstack = self.data_parallel.run(
+                hidden_states,
+                grid_thw,
+                lambda pixels, grid: _encode(self.visual, self.config, pixels, grid)[1:],
+                self.visual.pos_embed.weight.device,
+            )
+        output = BaseModelOutputWithDeepstackFeatures(
+            last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
         )
-    output = BaseModelOutputWithDeepstackFeatures(
-        last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
+        if hidden is not None:
+            # Set after construction, as transformers' output capture does: to_tuple() then puts it last.
+            output["hidden_states"] = _select_hidden_states(hidden, output_hidden_states)
+        return output if kwargs.get("return_dict", getattr(hf_config, "return_dict", True)) else output.to_tuple()
+
+
+def _forward_slot(visual: nn.Module) -> str:
+    """The attribute that holds the forward the module runs. accelerate's ``add_hook_to_module`` moves it to
+    ``_old_forward`` and sets ``forward`` to a wrapper that runs the hook's ``pre_forward`` (moving inputs,
+    loading offloaded weights) before calling it."""
+    return (
+        "_old_forward"
+        if getattr(visual, "_hf_hook", None) is not None and "_old_forward" in vars(visual)
+        else "forward"
     )
-    return output if kwargs.get("return_dict", True) else output.to_tuple()
+
+
+def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
+    """The slot holding the patched forward and that forward, or ``(slot to patch, None)`` when unpatched. The
+    slot may have changed since patching: accelerate moves a patched forward into ``_old_forward`` when it
+    hooks the module afterwards, and back into ``forward`` when it removes its hook."""
+    for slot in ("_old_forward", "forward"):
+        patched = vars(visual).get(slot)
+        if isinstance(patched, _PatchedForward):
+            return slot, patched
+    return _forward_slot(visual), None
 
 
 def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) -> nn.Module:
     """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
 
-    ``model``: a transformers ``Qwen3VLForConditionalGeneration``, ``Qwen3VLModel``, their MoE
-    variants, or a bare ``Qwen3VLVisionModel`` / ``Qwen3VLMoeVisionModel``. Anything else raises
-    TypeError. Patching again is harmless and sets the mode anew.
+    ``model``: a transformers Qwen3-VL model, recognised by its ``config.model_type`` (``"qwen3_vl"``,
+    ``"qwen3_vl_moe"``: ``Qwen3VLForConditionalGeneration``, ``Qwen3VLModel``, their MoE variants, subclasses of
+    them; ``"qwen3_vl_vision"``, ``"qwen3_vl_moe_vision"``: a bare vision model), or a module whose ``.model``
+    is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching again is harmless and sets
+    the mode anew. ``print(model)`` shows the patch on the vision module; :func:`unpatch_model` undoes it.
+
+    The patched tower returns what transformers' returns, ``output_hidden_states`` included (the embedded
+    patches and every block's output, from the argument or the config, a selection by index too). A call
+    that qvl's fused tower cannot serve runs the forward the patch replaced (transformers' own, unfused) and
+    warns once per reason with an :class:`UnfusedFallbackWarning`:
+
+    * per-layer attention outputs (``output_attentions``, argument or config): the fused attention has none.
+    * gradients (``torch.is_grad_enabled()`` and the input or a tower parameter requires grad): qvl's ops have
+      no autograd yet, so a training step gets transformers' gradients instead of failing inside backward.
+      Run inference under ``torch.no_grad()`` / ``torch.inference_mode()``; a frozen tower
+      (``visual.requires_grad_(False)``) runs on qvl while the rest of the model trains.
+    * weights not all on one device when the call reaches the patch: offloaded by accelerate (CPU or disk
+      offload of the tower's submodules keeps them on the meta device until each submodule's hook loads them,
+      in transformers' forward, one submodule at a time), or split over devices by a device map. Loading the
+      whole tower for a fused call would break the offload's memory bound, so such a tower runs unfused. The
+      hook on the vision module itself is kept (the patch goes under accelerate's wrapper, whether the model is
+      dispatched before or after patching), so it moves the inputs, and loads the weights where it offloads the
+      whole module (``cpu_offload_with_hook``), before qvl runs; the hooks a device map puts on the submodules
+      of a tower it keeps whole only move inputs, and qvl runs there too.
+    * in data mode, ``output_hidden_states``: each rank encodes only its share of the tokens.
+
+    In data mode, such a call runs the whole batch on every rank (no collective: every rank makes the same call).
 
     ``parallel="data"`` (every rank of ``group``, default the world, holds the whole model and passes the
     same batch, e.g. a text model sharded over the ranks): each rank encodes a balanced share of the
@@ -109,8 +252,11 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     merged and deepstack features). Weight sharding would change the model's parameters, so
     ``parallel="weights"`` raises ValueError: build ``VisionTransformer.from_hf(visual, parallel="weights")``
     instead.
+
+    Forward hooks registered with torch on the tower's submodules do not run on qvl's path, which never calls
+    the submodules.
     """
-    visual = _vision_module(model)
+    visual = _vision_module(model, "patch_model")
     config = VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
     if parallel == "weights":
         raise ValueError(
@@ -119,21 +265,50 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
-    forward = functools.partial(_qvl_vision_forward, config=config, data_parallel=data_parallel)
-    visual.forward = types.MethodType(forward, visual)
-    setattr(visual, _MARK, True)
+    slot, current = _find_patch(visual)
+    if current is None:
+        replaced_forward, replaced_extra_repr = vars(visual).get(slot), vars(visual).get("extra_repr")
+    else:
+        replaced_forward, replaced_extra_repr = current.replaced_forward, current.replaced_extra_repr
+    patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, config, data_parallel)
+    setattr(visual, slot, patched)
+    visual.extra_repr = patched.extra_repr
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`, in place; returns ``model``. The vision module gets back the forward and
+    ``extra_repr`` it had before patching, in the slot the forward now lives in: under accelerate's hook
+    wrapper (which stays) when the model was dispatched before or after patching. An unpatched model is
+    returned unchanged; an unsupported one raises TypeError."""
+    visual = _vision_module(model, "unpatch_model")
+    slot, patched = _find_patch(visual)
+    if patched is None:
+        return model
+    if patched.replaced_forward is not None:
+        setattr(visual, slot, patched.replaced_forward)
+    elif slot == "forward":
+        del visual.forward
+    else:  # patched before accelerate hooked the module: the wrapper runs what it would have wrapped
+        visual._old_forward = patched.original_forward()
+    if patched.replaced_extra_repr is None:
+        del visual.extra_repr
+    else:
+        visual.extra_repr = patched.replaced_extra_repr
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model``'s vision tower runs on qvl kernels."""
-    return bool(getattr(_vision_module(model), _MARK, False))
+    return _find_patch(_vision_module(model, "is_patched"))[1] is not None
 
 
 def _qvl_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface entry: one segment ``(1, H, S, D)`` per call, non-causal."""
     if attention_mask is not None or kwargs.get("is_causal"):
-        raise ValueError(f"{ATTENTION_NAME}: only non-causal attention without a mask (the vision tower's) is supported")
+        raise ValueError(
+            f"{ATTENTION_NAME}: only non-causal attention without a mask (the vision tower's) is supported"
+        )
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     # Made on the device: torch.tensor([0, S], device=...) would copy from pageable memory and sync.
     cu_seqlens = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]

@@ -86,6 +86,7 @@ def tower_forward(
     deepstack_visual_indexes: Sequence[int],
     spatial_merge_size: int,
     all_reduce: AllReduce | None = None,
+    hidden_states_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The device part of the tower's forward over a module tree with transformers' names.
 
@@ -96,6 +97,9 @@ def tower_forward(
         cu_seqlens, positions, interp_indices, interp_weights: from :func:`build_metadata`, on the device.
         num_heads: heads held by this module tree (all of them, or this rank's share under tensor
             parallelism, where ``all_reduce`` sums the row-parallel partial products over the ranks).
+        hidden_states_out: a list that receives the residual stream as transformers' ``output_hidden_states``
+            records it: the embedded patches (the first block's input), then each block's output, ``depth + 1``
+            tensors ``(T, C)``, the last one ``last_hidden_state`` itself. None (the default) records nothing.
 
     Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden), deepstack list)``.
     """
@@ -105,6 +109,10 @@ def tower_forward(
     torch.ops.qvl.pos_embed_interp_add_(x, tower.pos_embed.weight, interp_indices, interp_weights)
 
     num_tokens = x.shape[0]
+    # Each x below is a new tensor (add_layer_norm and the last block's add are out of place), so a recorded
+    # state is never overwritten by a later block.
+    if hidden_states_out is not None:
+        hidden_states_out.append(x)
     blocks = tower.blocks
     first = blocks[0].norm1
     h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
@@ -125,6 +133,8 @@ def tower_forward(
             x, h = torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
         else:
             x = x + m
+        if hidden_states_out is not None:
+            hidden_states_out.append(x)
         if index in deepstack_visual_indexes:
             merger = tower.deepstack_merger_list[list(deepstack_visual_indexes).index(index)]
             deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce))
