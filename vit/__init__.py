@@ -1,8 +1,8 @@
 """qvl.vit: the Qwen3-VL vision tower on qvl kernels, its metadata, checkpoints and the transformers patch."""
 
+from .config import VisionConfig
 from .hf_patch import is_patched, patch_model, register_attention, unpatch_model
 from .metadata import VisionMetadata, build_metadata
-from .config import VisionConfig
 from .model import VisionTransformer, tower_forward
 
 __all__ = [

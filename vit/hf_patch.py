@@ -16,8 +16,9 @@ import warnings
 import torch
 from torch import nn
 
+from .config import VisionConfig
 from .metadata import build_metadata
-from .model import VisionConfig, tower_forward
+from .model import tower_forward
 from .parallel import make_parallel
 
 __all__ = [

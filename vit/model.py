@@ -30,7 +30,7 @@ from .layers import AllReduce, patch_merger, row_parallel_linear, vision_mlp
 from .metadata import VisionMetadata, build_metadata
 from .parallel import LocalWidths, make_parallel
 
-__all__ = ["VisionConfig", "VisionTransformer", "tower_forward"]
+__all__ = ["VisionTransformer", "tower_forward"]
 
 
 class _Attention(nn.Module):
