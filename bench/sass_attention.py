@@ -1,11 +1,20 @@
 """What the attention kernel compiles to on Hopper, read without a GPU: ``python -m bench.sass_attention``.
 
 Triton's wheel carries ptxas and cuobjdump, so the sm_90 machine code of ``vision_attn``'s kernel can be
-inspected anywhere. For each variant (bf16, Qwen3-VL's D = 72 tiles, with and without the rotary
-embedding of q) it prints registers and stack per thread, the SASS instruction count, the size of the
-key loop (from its first to its last tensor-core instruction) and the local-memory instructions inside
-that loop, which would be spills the loop pays for on every key block. Numbers of the compiler, not
-timings: they guide tile and fusion choices until a device measures them.
+inspected anywhere. Each variant is compiled from the launch ``vision_attn`` itself builds
+(:func:`qvl.kernels.attention.vision_attn_launches`) for CPU stand-ins shaped, strided and aligned like the
+tower's call (q, k, v views of a packed ``(T, 3, H, D)`` qkv, H = 16, bf16; with rope, k is the rotary
+kernel's contiguous output), specialized by Triton's own launch binder
+(:func:`qvl.kernels.common.compile_launch`): the kernel a real launch gets, alignment attributes included.
+
+For each head dim, without and with the rotary embedding of q, it prints registers and stack per thread,
+shared memory per block, the SASS instruction count, and for the key loop (the loop over full key blocks:
+the SASS from the target of its backward branch to that branch) its instruction count, local-memory
+instructions (spills paid on every key block), 2-byte scalar global loads (``LDG.E.U16``: rows fetched
+element by element) and asynchronous copies into shared memory (``LDGSTS``; ``UTMALDG`` for TMA).
+``--layout offset`` shifts the qkv buffer by one element, the path for layouts whose rows are not all
+16-byte aligned. Numbers of the compiler, not timings: they guide tile and fusion choices until a device
+measures them.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "0"  # the interpreter's kernel objects cannot be compiled
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -22,65 +32,96 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from qvl.kernels import attention  # noqa: E402
-from qvl.kernels.common import FMA_CONTRACTION  # noqa: E402
+from qvl.kernels.common import HOPPER, KernelLaunch, compile_launch  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+NUM_TOKENS, NUM_HEADS = 1024, 16
+LAYOUTS = ("packed", "offset")
+COLUMNS = {
+    "head_dim": "head_dim",
+    "rope": "rope on q",
+    "registers": "registers",
+    "stack_bytes": "stack B",
+    "shared_bytes": "shared B",
+    "instructions": "SASS instructions",
+    "loop_instructions": "key loop",
+    "loop_local_memory": "local memory in loop",
+    "loop_ldg_u16": "LDG.E.U16 in loop",
+    "loop_ldgsts": "LDGSTS in loop",
+    "loop_utmaldg": "UTMALDG in loop",
+}
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?\b0x([0-9a-f]+)\s*$")
 
 
-def compile_attention(head_dim: int, rotate_q: bool):
-    """The bf16 kernel as ``vision_attn`` would launch it for ``head_dim`` (32-bit in-batch offsets)."""
-    kernel = attention._vision_attn_kernel
-    main, tail = attention.head_dim_tiles(head_dim)
-    config = attention._launch_config(head_dim, torch.bfloat16)
-    constexprs = {
-        "HEAD_DIM": head_dim, "D_MAIN": main, "D_TAIL": tail, "BLOCK_M": config["BLOCK_M"],
-        "BLOCK_N": config["BLOCK_N"], "ROTATE_Q": rotate_q, "DOT_PRECISION": "tf32", "WIDE_OFFSETS": False,
-    }  # fmt: skip
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "CuSeqlens": "*i32", "Positions": "*i32"}
-    signature = {
-        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in ("qk_scale", "log2_theta") else "i32")
-        for name in kernel.arg_names
-    }  # fmt: skip
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"], **FMA_CONTRACTION}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=HOPPER, options=options)
+def stand_in_launches(
+    head_dim: int, rotate_q: bool, layout: str = "packed", dtype: torch.dtype = torch.bfloat16
+) -> list[KernelLaunch]:
+    """The launches ``vision_attn`` makes for the tower's call (rotary for k with rope, then attention),
+    built on CPU tensors."""
+    offset = LAYOUTS.index(layout)  # "offset": the buffer starts one element past a 16-byte boundary
+    buffer = torch.empty(offset + NUM_TOKENS * 3 * NUM_HEADS * head_dim, dtype=dtype)
+    q, k, v = buffer[offset:].view(NUM_TOKENS, 3, NUM_HEADS, head_dim).unbind(1)
+    out = torch.empty(q.shape, dtype=dtype)
+    cu_seqlens = torch.tensor([0, NUM_TOKENS // 4, NUM_TOKENS], dtype=torch.int32)
+    positions = torch.zeros(NUM_TOKENS, 2, dtype=torch.int32) if rotate_q else None
+    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, HOPPER)
+
+
+def key_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The first loop holding a tensor-core instruction: from its backward branch's target to the branch."""
+    for end, (address, text) in enumerate(instructions):
+        target = _BRANCH_TARGET.search(text)
+        if target is None or int(target.group(1), 16) >= address:
+            continue
+        start = next(i for i, (a, _) in enumerate(instructions) if a >= int(target.group(1), 16))
+        body = [t for _, t in instructions[start : end + 1]]
+        if any("HGMMA" in t for t in body):
+            return body
+    return []
 
 
 def inspect(compiled) -> dict:
+    """The columns of :data:`COLUMNS` after head_dim and rope, read from a compiled kernel's cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
         sass = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    registers = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
-    stack = int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
-    instructions = [line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
-    dots = [i for i, line in enumerate(instructions) if "HGMMA" in line]
-    loop = instructions[dots[0] : dots[-1] + 1] if dots else []
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    loop = key_loop(instructions)
     return {
-        "registers": registers,
-        "stack_bytes": stack,
+        "registers": int(re.search(r"REG:(\d+)", usage.stdout).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage.stdout).group(1)),
+        "shared_bytes": compiled.metadata.shared,
         "instructions": len(instructions),
         "loop_instructions": len(loop),
-        "loop_local_memory": sum(1 for line in loop if re.search(r"\b(LDL|STL)\b", line)),
+        "loop_local_memory": sum(1 for text in loop if re.search(r"\b(LDL|STL)\b", text)),
+        "loop_ldg_u16": sum(1 for text in loop if re.search(r"\bLDG\.E\.U16\b", text)),
+        "loop_ldgsts": sum(1 for text in loop if re.search(r"\bLDGSTS\b", text)),
+        "loop_utmaldg": sum(1 for text in loop if re.search(r"\bUTMALDG\b", text)),
     }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[72])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 72, 80, 128])
+    parser.add_argument("--layout", choices=LAYOUTS, default="packed")
+    parser.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
     args = parser.parse_args(argv)
-    print("| head_dim | rope on q | registers | stack B | SASS instructions | key loop | local memory in loop |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.json:
+        print(f"Triton {triton.__version__}, sm_90, bf16, {args.layout} qkv (T={NUM_TOKENS}, H={NUM_HEADS})")
+        print("| " + " | ".join(COLUMNS.values()) + " |")
+        print("|" + "---|" * len(COLUMNS))
     for head_dim in args.head_dim:
         for rotate_q in (False, True):
-            row = inspect(compile_attention(head_dim, rotate_q))
-            print(f"| {head_dim} | {rotate_q} | {row['registers']} | {row['stack_bytes']} | {row['instructions']} "
-                  f"| {row['loop_instructions']} | {row['loop_local_memory']} |")
+            row = {"head_dim": head_dim, "rope": rotate_q}
+            attention_launch = stand_in_launches(head_dim, rotate_q, args.layout)[-1]
+            row.update(inspect(compile_launch(attention_launch, HOPPER)))
+            line = json.dumps(row) if args.json else "| " + " | ".join(str(row[key]) for key in COLUMNS) + " |"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,19 @@ where padding to 128 would do 128/72.
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
 
+When every row of q, k, v and the output starts on a 16-byte boundary (checked on the host from strides
+and data pointers: true of the views of a packed qkv projection for every Qwen3-VL head dim), the kernel
+re-derives its strides in a form the compiler can prove 16-byte aligned (:func:`qvl.kernels.tiles.aligned_stride`),
+so K and V tiles are fetched with 16-byte asynchronous copies pipelined over ``num_stages``; a head stride
+such as 72 elements otherwise proves nothing and rows are loaded element by element. Other layouts take
+the unproven path.
+
 With ``positions`` the 2D rotary embedding is applied (see :mod:`qvl.kernels.rotary`): each program
 rotates its q tile as it loads it, once, and k is rotated once per call, by the rotary kernel into a
 scratch tensor, before the attention launch. Rotating k inside the key loop instead redoes its sin/cos
 (inlined libdevice polynomials with range reduction) for every q block and head, S / BLOCK_M * H times per
-key: compiled for sm_90 at D = 72 (``python -m bench.sass_attention``), that made the key loop 5,616 SASS
-instructions with 240 local-memory accesses, against 1,184 and none without rope; with q rotated once per
-program the loop is 1,139 instructions with none.
+key, which makes the key loop several times longer and spills it to local memory; rotating q once per
+program leaves the loop as it is without rope (``python -m bench.sass_attention`` prints both).
 """
 
 from __future__ import annotations
@@ -29,20 +35,31 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
 from .common import (
     FLOAT_DTYPES,
     FMA_CONTRACTION,
+    KernelLaunch,
     backend_for,
     check_cu_seqlens,
     check_same_device,
     check_tensor,
-    device_guard,
+    device_target,
+    rows_16_byte_aligned,
+    run_launches,
 )
-from .rotary import check_positions, check_rope_head_dim, check_rope_theta, launch_rotary, rotary_2d_reference
-from .tiles import rope_apply, rope_cos_sin, rope_dim_tables
+from .rotary import check_positions, check_rope_head_dim, check_rope_theta, rotary_2d_reference, rotary_launches
+from .tiles import aligned_stride, rope_apply, rope_cos_sin, rope_dim_tables
 
-__all__ = ["vision_attn", "vision_attn_reference", "MAX_HEAD_DIM", "head_dim_tiles"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "head_dim_tiles",
+    "launch_config",
+    "vision_attn",
+    "vision_attn_launches",
+    "vision_attn_reference",
+]
 
 MAX_HEAD_DIM = 256
 
@@ -70,7 +87,7 @@ def _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM: tl.constexpr, M
 
 @triton.jit
 def _load_rotated(base, rows, stride_t, offs_d, row_mask, row_pos, col_pos, inv_freq, from_col, partner, sign,
-                  HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):  # fmt: skip
     """Load a tile of rows (masked by ``row_mask``) and, with ROTATE, rotate it and round it back to the
     input dtype (as the standalone rotary op would store it)."""
     x = _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, True)
@@ -132,10 +149,16 @@ def _vision_attn_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
+    if STRIDES_ALIGNED:
+        # Multiples of 16 bytes on the host; proven so here, every K/V tile row moves in 16-byte async copies.
+        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
+        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
+        stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
+        stride_ot, stride_oh = aligned_stride(stride_ot, Out), aligned_stride(stride_oh, Out)
 
     # Segment b starts at program cu[b] // BLOCK_M + b, strictly increasing in b: binary search for the
     # last segment starting at or before pid.
@@ -181,12 +204,12 @@ def _vision_attn_kernel(
             col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
 
         q_main = _load_rotated(Q, q_rows, stride_qt, offs_dm, q_mask, row_pos, col_pos, inv_freq_m, from_col_m,
-                               partner_m, sign_m, HEAD_DIM, ROTATE_Q)
+                               partner_m, sign_m, HEAD_DIM, ROTATE_Q)  # fmt: skip
         q_tail = q_main
         acc_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
         if HAS_TAIL:
             q_tail = _load_rotated(Q, q_rows, stride_qt, offs_dt, q_mask, row_pos, col_pos, inv_freq_t, from_col_t,
-                                   partner_t, sign_t, HEAD_DIM, ROTATE_Q)
+                                   partner_t, sign_t, HEAD_DIM, ROTATE_Q)  # fmt: skip
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -222,20 +245,74 @@ def _vision_attn_kernel(
             )
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and pipelining; fp32 tiles are halved so their staged copies fit Hopper's 227 KiB of
-    shared memory (checked by compiling for sm_90 in tests/kernels/test_cuda_compile.py)."""
+def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget) -> dict:
+    """Everything the attention launch passes besides tensors, scalars and per-call flags (rope on q,
+    64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining and compile options for
+    ``head_dim`` in ``dtype`` on ``target`` (see :func:`qvl.kernels.common.device_target`).
+
+    fp32 tiles, and 16-bit ones wider than 128, are halved so their staged copies fit the 227 KiB of shared
+    memory a Hopper block may use (checked by compiling for sm_90 in tests/kernels/test_cuda_compile.py).
+    Every target gets the values chosen for Hopper; the interpreter ignores warps, stages and options.
+    """
     main, tail = head_dim_tiles(head_dim)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    if main + tail <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32 or main + tail > 128:
+        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    else:
+        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(
+        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        **tiles, **FMA_CONTRACTION,
+    )  # fmt: skip
 
 
 def _needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
     """Whether a token offset inside the batch (at most T * token stride) can pass int32."""
     return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
+
+
+def vision_attn_launches(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None,
+    positions: torch.Tensor | None,
+    rope_theta: float,
+    target: GPUTarget,
+) -> list[KernelLaunch]:
+    """The launches :func:`vision_attn` runs, in order, for checked arguments and its output ``out``
+    (contiguous ``(T, H, D)``, written by the last launch): with ``positions``, the rotary kernel rotating
+    k into a scratch tensor allocated here, then the attention kernel. Empty when there is nothing to do.
+    Reads shapes, strides and data pointers only (no device sync)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_segments = cu_seqlens.shape[0] - 1
+    if num_tokens == 0 or num_heads == 0 or num_segments == 0:
+        return []
+    launches = []
+    apply_rope = positions is not None
+    if apply_rope:
+        # k is rotated once here; q, tile by tile, in the kernel (see the module docstring for why).
+        k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target)
+        k = k_rotated
+    config = launch_config(head_dim, q.dtype, target)
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
+    args = (
+        q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens,
+        num_segments, max(1, (num_segments - 1).bit_length()),
+        scale * math.log2(math.e), math.log2(rope_theta),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
+    )  # fmt: skip
+    flags = dict(
+        ROTATE_Q=apply_rope,
+        WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
+        STRIDES_ALIGNED=rows_16_byte_aligned(q, k, v, out),
+    )
+    launches.append(KernelLaunch(_vision_attn_kernel, grid, args, {**config, **flags}))
+    return launches
 
 
 def vision_attn_reference(
@@ -283,8 +360,10 @@ def _check_attn_args(
     head_dim = q.shape[-1]
     if not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{op}: head dim D = q.shape[-1] must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt) and (
-        not isinstance(max_seqlen, int) or max_seqlen < 0
+    if (
+        max_seqlen is not None
+        and not isinstance(max_seqlen, torch.SymInt)
+        and (not isinstance(max_seqlen, int) or max_seqlen < 0)
     ):
         raise ValueError(f"{op}: max_seqlen must be None or a non-negative int, got {max_seqlen!r}")
     if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
@@ -322,40 +401,17 @@ def vision_attn(
         rope_theta: rotary base, used with ``positions``.
 
     Returns a new contiguous ``(T, H, D)`` tensor in q's dtype; softmax and accumulation in fp32.
-    Nothing is mutated. Forward only (no autograd).
+    Nothing is mutated. Forward only (no autograd). Any layout is accepted; one whose rows all start on
+    16-byte boundaries (packed qkv views, contiguous tensors with D * itemsize a multiple of 16) loads
+    faster. No device-to-host sync on CUDA.
     """
     _check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)
     if backend_for(q.device) == "torch":
         return vision_attn_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta)
 
-    num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_segments = cu_seqlens.shape[0] - 1
-    if num_tokens == 0 or num_heads == 0 or num_segments == 0:
-        return out
-    d_main, d_tail = head_dim_tiles(head_dim)
-    config = _launch_config(head_dim, q.dtype)
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
-    apply_rope = positions is not None
-    if apply_rope:
-        # k is rotated once here; q, tile by tile, in the kernel (see the module docstring for why).
-        k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        launch_rotary(None, k, None, k_rotated, positions, rope_theta)
-        k = k_rotated
-    with device_guard(q.device):
-        _vision_attn_kernel[grid](
-            q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens,
-            num_segments, max(1, (num_segments - 1).bit_length()),
-            scale * math.log2(math.e), math.log2(rope_theta),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0,
-            HEAD_DIM=head_dim, D_MAIN=d_main, D_TAIL=d_tail,
-            ROTATE_Q=apply_rope, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
-            **config,
-            **FMA_CONTRACTION,
-        )  # fmt: skip
+    target = device_target(q.device)
+    run_launches(vision_attn_launches(q, k, v, out, cu_seqlens, softmax_scale, positions, rope_theta, target), q.device)
     return out
 
 

@@ -14,6 +14,11 @@ process; users can use it to compare paths).
 Checks that read tensor *values* (for example that ``cu_seqlens`` is monotonic) run on CPU inputs
 always, and on CUDA inputs only when value checks are switched on with ``QVL_CHECK_INPUTS=1`` or
 :func:`set_value_checks`, because they need a device-to-host sync.
+
+Each kernel family chooses its launch configuration with one pure function of shapes, dtype and
+:func:`device_target`, and describes its launches as :class:`KernelLaunch` values: the launcher runs them,
+and :func:`compile_launch` compiles the very same launches for a GPU target without a GPU (the sm_90
+checks in tests/kernels and ``python -m bench.sass_attention``).
 """
 
 from __future__ import annotations
@@ -22,19 +27,28 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
 
 __all__ = [
     "BACKENDS",
     "FMA_CONTRACTION",
+    "HOPPER",
+    "INTERPRETER",
+    "KernelLaunch",
     "backend_for",
     "check_dtype",
     "check_same_device",
     "check_tensor",
+    "compile_launch",
     "device_guard",
+    "device_target",
     "force_backend",
+    "rows_16_byte_aligned",
+    "run_launches",
     "set_value_checks",
     "value_checks_enabled",
 ]
@@ -45,6 +59,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # until 3.9, which warns that 3.10 turns it off: asking for it keeps results and speed the same whatever
 # the Triton version.
 FMA_CONTRACTION = {"enable_fp_fusion": True}
+
+# Targets a launch configuration is chosen for: a CUDA device is named the way Triton's driver names it
+# (backend, compute capability as major * 10 + minor, warp size); Triton's interpreter, which runs the
+# kernels on CPU tensors, is a target of its own.
+HOPPER = GPUTarget("cuda", 90, 32)
+INTERPRETER = GPUTarget("interpreter", 0, 1)
 
 _state = threading.local()
 _value_checks = os.environ.get("QVL_CHECK_INPUTS", "0") not in ("", "0")
@@ -103,6 +123,86 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+def device_target(device: torch.device) -> GPUTarget:
+    """The target a kernel launched for tensors on ``device`` runs on, without a device sync (the compute
+    capability comes from torch's cached device properties); CPU tensors run in the interpreter."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return GPUTarget("cuda", major * 10 + minor, 32)
+    return INTERPRETER
+
+
+class KernelLaunch(NamedTuple):
+    """One launch as data, ``kernel[grid](*args, **kwargs)``: what a launcher runs and what
+    :func:`compile_launch` compiles."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None:
+    """Run ``launches`` in order, with ``device`` current (see :func:`device_guard`)."""
+    with device_guard(device):
+        for launch in launches:
+            launch.run()
+
+
+def compile_launch(launch: KernelLaunch, target: GPUTarget) -> Any:
+    """Compile ``launch`` for ``target`` exactly as running it on such a device would, without one.
+
+    The kernel's own argument binder specializes the arguments the way a launch does: pointers whose data
+    starts on a 16-byte boundary and integers divisible by 16 get ``tt.divisibility = 16``, integers equal
+    to 1 become constants, ``do_not_specialize`` is honoured. CPU tensors with the real call's shapes,
+    strides and alignment therefore stand in for CUDA ones. Returns Triton's compiled kernel (``.asm``,
+    ``.metadata``). Needs the kernels defined with ``TRITON_INTERPRET=0``.
+
+    Written against Triton 3.9's internals (and read against 3.6's, which differ only in the knob noted
+    below), which ``JITFunction.run`` itself uses and no public API
+    exposes without a device: ``triton.runtime.jit.create_function_from_signature`` (the binder),
+    ``JITFunction.signature``/``.params``/``._pack_args`` (signature, constants and attributes from the
+    binder's specialization), ``triton.compiler.make_backend`` and ``ASTSource(fn, signature, constexprs,
+    attrs)``, then the public ``triton.compile(src, target=..., options=...)``.
+    """
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    if triton_interpreting():
+        raise RuntimeError("qvl: compile_launch needs the kernels defined with TRITON_INTERPRET=0")
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    # The options JITFunction.run adds before binding (Triton 3.6 lacks the float-sanitizer knob).
+    kwargs = {
+        **launch.kwargs,
+        "debug": launch.kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug,
+        "instrumentation_mode": triton.knobs.compilation.instrumentation_mode,
+    }
+    if hasattr(triton.knobs.compilation, "fpsan_homomorphic_casts"):
+        kwargs["fpsan_homomorphic_casts"] = triton.knobs.compilation.fpsan_homomorphic_casts
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def rows_16_byte_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data starts on a 16-byte boundary and every stride but the last (contiguous)
+    one is a multiple of 16 bytes: then every row a kernel addresses starts on a 16-byte boundary and can
+    be moved with 16-byte vector or asynchronous copies. Dims of size 1 are never stepped, so their
+    strides do not count. Reads host metadata only (no device sync)."""
+    for tensor in tensors:
+        if tensor.data_ptr() % 16:
+            return False
+        elements = 16 // tensor.element_size()
+        if any(size > 1 and stride % elements for size, stride in zip(tensor.shape[:-1], tensor.stride()[:-1])):
+            return False
+    return True
 
 
 def check_tensor(

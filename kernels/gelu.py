@@ -11,10 +11,27 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-from .common import FLOAT_DTYPES, FMA_CONTRACTION, backend_for, check_same_device, check_tensor, device_guard
+from .common import (
+    FLOAT_DTYPES,
+    FMA_CONTRACTION,
+    KernelLaunch,
+    backend_for,
+    check_same_device,
+    check_tensor,
+    device_target,
+    run_launches,
+)
 
-__all__ = ["GELU_APPROXIMATIONS", "bias_gelu", "bias_gelu_", "bias_gelu_reference"]
+__all__ = [
+    "GELU_APPROXIMATIONS",
+    "bias_gelu",
+    "bias_gelu_",
+    "bias_gelu_launches",
+    "bias_gelu_reference",
+    "launch_config",
+]
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -59,23 +76,31 @@ def _bias_gelu_kernel(
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_bias_gelu(x, bias, y, approximate: str) -> None:
+def launch_config(num_cols: int, approximate: str, target: GPUTarget) -> dict:
+    """Everything the bias + GELU launch passes besides tensors and scalars, for rows of ``num_cols`` and
+    the GELU ``approximate`` on ``target``: up to 1024 columns and about 4096 values per program, and
+    compile options. Every target gets the same values (the interpreter ignores warps and options)."""
+    block_n = min(1024, triton.next_power_of_2(num_cols))
+    return dict(
+        BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, APPROXIMATE_TANH=approximate == "tanh", num_warps=4,
+        **FMA_CONTRACTION,
+    )  # fmt: skip
+
+
+def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[KernelLaunch]:
+    """The launch writing ``gelu(x + bias)`` into ``y`` for checked arguments; empty when x is. Reads shapes
+    and strides only (no device sync)."""
     num_rows, num_cols = x.shape
     if x.numel() == 0:
-        return
-    block_n = min(1024, triton.next_power_of_2(num_cols))
-    block_m = max(1, 4096 // block_n)
+        return []
+    config = launch_config(num_cols, approximate, target)
     # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-    with device_guard(x.device):
-        _bias_gelu_kernel[grid](
-            x, bias, y,
-            num_rows, num_cols,
-            x.stride(0), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, APPROXIMATE_TANH=approximate == "tanh",
-            num_warps=4,
-            **FMA_CONTRACTION,
-        )  # fmt: skip
+    grid = (triton.cdiv(num_rows, config["BLOCK_M"]), triton.cdiv(num_cols, config["BLOCK_N"]))
+    return [KernelLaunch(_bias_gelu_kernel, grid, (x, bias, y, num_rows, num_cols, x.stride(0), y.stride(0)), config)]
+
+
+def _launch_bias_gelu(x, bias, y, approximate: str) -> None:
+    run_launches(bias_gelu_launches(x, bias, y, approximate, device_target(x.device)), x.device)
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:

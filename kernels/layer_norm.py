@@ -15,19 +15,31 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-from .common import FLOAT_DTYPES, FMA_CONTRACTION, backend_for, check_same_device, check_tensor, device_guard
+from .common import (
+    FLOAT_DTYPES,
+    FMA_CONTRACTION,
+    KernelLaunch,
+    backend_for,
+    check_same_device,
+    check_tensor,
+    device_target,
+    run_launches,
+)
 
 __all__ = [
     "MAX_NORM_DIM",
     "add_layer_norm",
     "add_layer_norm_reference",
+    "launch_config",
     "layer_norm",
+    "layer_norm_launches",
     "layer_norm_reference",
 ]
 
 # A norm program keeps next_pow2(C) fp32 values per row in registers: 16384 over 16 warps is 32 per
-# thread, the most that stays out of local memory. Qwen3-VL needs at most 4 * 1152 = 4608.
+# thread, and wider rows would spill to local memory. Qwen3-VL needs at most 4 * 1152 = 4608.
 MAX_NORM_DIM = 16384
 
 
@@ -82,28 +94,39 @@ def _layer_norm_kernel(
     tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_layer_norm(x, delta, h, weight, bias, y, eps: float) -> None:
-    """Normalize ``x`` (or ``h = x + delta``, stored, when ``delta`` is given) into ``y``."""
-    num_rows, num_cols = x.shape
-    if num_rows == 0:
-        return
+def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
+    """Everything the norm launch passes besides tensors and scalars, for rows of ``num_cols`` (with the
+    residual add when ``has_delta``) on ``target``. Every target gets the same values (the interpreter
+    ignores warps and options)."""
     block_c = triton.next_power_of_2(num_cols)
     # At least 4096 values per program, so narrow rows still give each thread enough loads in flight;
     # warps grow with wider rows to keep about 32 fp32 values per thread (MAX_NORM_DIM over 16 warps).
     block_m = max(1, 4096 // block_c)
     num_warps = min(16, max(4, block_m * block_c // 1024))
+    return dict(BLOCK_M=block_m, BLOCK_C=block_c, HAS_DELTA=has_delta, num_warps=num_warps, **FMA_CONTRACTION)
+
+
+def layer_norm_launches(x, delta, h, weight, bias, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
+    """The launch normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given) into
+    ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device sync)."""
+    num_rows, num_cols = x.shape
+    if num_rows == 0:
+        return []
     has_delta = delta is not None
-    grid = (triton.cdiv(num_rows, block_m),)
-    with device_guard(x.device):
-        _layer_norm_kernel[grid](
-            x, delta if has_delta else x, h if has_delta else x, weight, bias, y,
-            num_rows, num_cols,
-            eps,
-            x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
-            BLOCK_M=block_m, BLOCK_C=block_c, HAS_DELTA=has_delta,
-            num_warps=num_warps,
-            **FMA_CONTRACTION,
-        )  # fmt: skip
+    config = launch_config(num_cols, has_delta, target)
+    grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
+    args = (
+        x, delta if has_delta else x, h if has_delta else x, weight, bias, y,
+        num_rows, num_cols,
+        eps,
+        x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
+    )  # fmt: skip
+    return [KernelLaunch(_layer_norm_kernel, grid, args, config)]
+
+
+def _launch_layer_norm(x, delta, h, weight, bias, y, eps: float) -> None:
+    target = device_target(x.device)
+    run_launches(layer_norm_launches(x, delta, h, weight, bias, y, eps, target), x.device)
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -17,17 +17,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
 from .common import (
     FLOAT_DTYPES,
+    KernelLaunch,
     backend_for,
     check_same_device,
     check_tensor,
-    device_guard,
+    device_target,
+    run_launches,
     value_checks_enabled,
 )
 
-__all__ = ["pos_embed_interp", "pos_embed_interp_add_", "pos_embed_interp_reference"]
+__all__ = [
+    "launch_config",
+    "pos_embed_interp",
+    "pos_embed_interp_add_",
+    "pos_embed_interp_launches",
+    "pos_embed_interp_reference",
+]
 
 NUM_TAPS = 4
 
@@ -125,25 +134,41 @@ def _check_add_args(op: str, hidden_states, pos_embed, interp_indices, interp_we
     check_same_device(op, {"pos_embed": pos_embed, "hidden_states": hidden_states})
 
 
-def _launch_interp(pos_embed, interp_indices, interp_weights, out, add: bool) -> None:
+def launch_config(channels: int, target: GPUTarget) -> dict:
+    """Everything the interpolation launch passes besides tensors, scalars and the add flag, for ``channels``
+    on ``target``: up to 128 channels and about 4096 values per program, and compile options. Every target
+    gets the same values (the interpreter ignores warps and options)."""
+    block_c = min(128, triton.next_power_of_2(channels))
+    return dict(
+        NUM_TAPS=NUM_TAPS, BLOCK_T=max(1, 4096 // block_c), BLOCK_C=block_c, num_warps=4,
+        # No fused multiply-add: each product is rounded before it is summed, as torch's separate
+        # multiply and sum do, so the result matches transformers bit for bit.
+        enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def pos_embed_interp_launches(
+    pos_embed, interp_indices, interp_weights, out, add: bool, target: GPUTarget
+) -> list[KernelLaunch]:
+    """The launch writing (``add``: adding) the blended rows for checked arguments into ``out`` ``(T, C)``;
+    empty when ``out`` is. Reads shapes and strides only (no device sync)."""
     num_tokens, channels = out.shape
     if num_tokens == 0 or channels == 0:
-        return
-    block_c = min(128, triton.next_power_of_2(channels))
-    block_t = max(1, 4096 // block_c)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
-    with device_guard(out.device):
-        _pos_embed_interp_kernel[grid](
-            pos_embed, interp_indices, interp_weights, out,
-            num_tokens, channels,
-            pos_embed.stride(0), interp_indices.stride(0), interp_indices.stride(1),
-            interp_weights.stride(0), interp_weights.stride(1), out.stride(0),
-            ADD=add, NUM_TAPS=NUM_TAPS, BLOCK_T=block_t, BLOCK_C=block_c,
-            num_warps=4,
-            # No fused multiply-add: each product is rounded before it is summed, as torch's separate
-            # multiply and sum do, so the result matches transformers bit for bit.
-            enable_fp_fusion=False,
-        )  # fmt: skip
+        return []
+    config = launch_config(channels, target)
+    grid = (triton.cdiv(num_tokens, config["BLOCK_T"]), triton.cdiv(channels, config["BLOCK_C"]))
+    args = (
+        pos_embed, interp_indices, interp_weights, out,
+        num_tokens, channels,
+        pos_embed.stride(0), interp_indices.stride(0), interp_indices.stride(1),
+        interp_weights.stride(0), interp_weights.stride(1), out.stride(0),
+    )  # fmt: skip
+    return [KernelLaunch(_pos_embed_interp_kernel, grid, args, {**config, "ADD": add})]
+
+
+def _launch_interp(pos_embed, interp_indices, interp_weights, out, add: bool) -> None:
+    target = device_target(out.device)
+    run_launches(pos_embed_interp_launches(pos_embed, interp_indices, interp_weights, out, add, target), out.device)
 
 
 @torch.library.custom_op("qvl::pos_embed_interp", mutates_args=(), device_types=("cpu", "cuda"))
@@ -164,9 +189,7 @@ def pos_embed_interp(
     _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights)
     if backend_for(pos_embed.device) == "torch":
         return pos_embed_interp_reference(pos_embed, interp_indices, interp_weights)
-    out = torch.empty(
-        (interp_indices.shape[0], pos_embed.shape[1]), dtype=pos_embed.dtype, device=pos_embed.device
-    )
+    out = torch.empty((interp_indices.shape[0], pos_embed.shape[1]), dtype=pos_embed.dtype, device=pos_embed.device)
     _launch_interp(pos_embed, interp_indices, interp_weights, out, add=False)
     return out
 

@@ -7,7 +7,9 @@ width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp
 
 The kernels compute cos/sin in fp32 from the int32 positions: no ``(T, D)`` cos/sin table exists. The
 same tile helpers (:mod:`qvl.kernels.tiles`) rotate q inside ``torch.ops.qvl.vision_attn`` when it is
-given ``positions``.
+given ``positions``. As in attention, layouts whose rows all start on 16-byte boundaries (packed qkv
+views, contiguous outputs) get strides the compiler can prove aligned, so rows load and store in 16-byte
+vectors.
 """
 
 from __future__ import annotations
@@ -17,27 +19,32 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
 from .common import (
     FLOAT_DTYPES,
     FMA_CONTRACTION,
+    KernelLaunch,
     backend_for,
     check_same_device,
     check_tensor,
-    device_guard,
+    device_target,
+    rows_16_byte_aligned,
+    run_launches,
     value_checks_enabled,
 )
-from .tiles import rope_apply, rope_cos_sin, rope_dim_tables
+from .tiles import aligned_stride, rope_apply, rope_cos_sin, rope_dim_tables
 
 __all__ = [
     "check_positions",
     "check_rope_head_dim",
     "check_rope_theta",
-    "launch_rotary",
+    "launch_config",
     "rope_inv_freq",
     "rotary_2d",
     "rotary_2d_",
     "rotary_2d_reference",
+    "rotary_launches",
 ]
 
 
@@ -47,7 +54,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _rotate_heads(X, XOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                  stride_xt, stride_xh, stride_ot, stride_oh):
+                  stride_xt, stride_xh, stride_ot, stride_oh):  # fmt: skip
     """Rotate the tile's tokens of every head of X into XOut with the cos/sin computed once by the caller."""
     for head in range(num_heads):
         rows = X + tokens[:, None] * stride_xt + head * stride_xh
@@ -87,7 +94,14 @@ def _rotary_2d_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE_Q: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
+    if STRIDES_ALIGNED:
+        # Multiples of 16 bytes on the host; proven so here, rows move in 16-byte vectors.
+        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
+        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
+        stride_qot, stride_qoh = aligned_stride(stride_qot, QOut), aligned_stride(stride_qoh, QOut)
+        stride_kot, stride_koh = aligned_stride(stride_kot, KOut), aligned_stride(stride_koh, KOut)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     tokens = offs_t.to(tl.int64)
@@ -102,9 +116,9 @@ def _rotary_2d_kernel(
 
     if ROTATE_Q:
         _rotate_heads(Q, QOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                      stride_qt, stride_qh, stride_qot, stride_qoh)
+                      stride_qt, stride_qh, stride_qot, stride_qoh)  # fmt: skip
     _rotate_heads(K, KOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                  stride_kt, stride_kh, stride_kot, stride_koh)
+                  stride_kt, stride_kh, stride_kot, stride_koh)  # fmt: skip
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, device=None) -> torch.Tensor:
@@ -176,28 +190,37 @@ def _check_rotary_args(op: str, q, k, positions, rope_theta, read_values: bool =
     check_positions(op, positions, q.shape[0], q.device, read_values)
 
 
-def launch_rotary(q, k, q_out, k_out, positions, rope_theta: float) -> None:
-    """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (``q`` and ``q_out`` None: ``k`` alone), all
-    ``(T, H, D)`` with a contiguous last dim; an output may be its own input."""
+def launch_config(head_dim: int, target: GPUTarget) -> dict:
+    """Everything the rotary launch passes besides tensors, scalars and per-call flags (q rotated too,
+    aligned strides) for ``head_dim`` on ``target``: the whole head in one tile, tokens per program for
+    about 4096 values, and compile options. Every target gets the same values (the interpreter ignores
+    warps and options)."""
+    block_d = triton.next_power_of_2(head_dim)
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=max(1, min(64, 4096 // block_d)), num_warps=4, **FMA_CONTRACTION
+    )
+
+
+def rotary_launches(q, k, q_out, k_out, positions, rope_theta: float, target: GPUTarget) -> list[KernelLaunch]:
+    """The launch rotating ``q`` into ``q_out`` and ``k`` into ``k_out`` (``q`` and ``q_out`` None: ``k``
+    alone), all ``(T, H, D)`` with a contiguous last dim, an output possibly its own input; empty when there
+    is nothing to rotate. Reads shapes, strides and data pointers only (no device sync)."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0 or num_heads == 0:
-        return
+        return []
     rotate_q = q is not None
     q, q_out = (q, q_out) if rotate_q else (k, k_out)
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(64, 4096 // block_d))
-    grid = (triton.cdiv(num_tokens, block_t),)
-    with device_guard(k.device):
-        _rotary_2d_kernel[grid](
-            q, k, q_out, k_out, positions,
-            num_tokens, num_heads, math.log2(rope_theta),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            positions.stride(0),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, ROTATE_Q=rotate_q,
-            num_warps=4,
-            **FMA_CONTRACTION,
-        )  # fmt: skip
+    config = launch_config(head_dim, target)
+    grid = (triton.cdiv(num_tokens, config["BLOCK_T"]),)
+    args = (
+        q, k, q_out, k_out, positions,
+        num_tokens, num_heads, math.log2(rope_theta),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        positions.stride(0),
+    )  # fmt: skip
+    flags = dict(ROTATE_Q=rotate_q, STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out))
+    return [KernelLaunch(_rotary_2d_kernel, grid, args, {**config, **flags})]
 
 
 @torch.library.custom_op("qvl::rotary_2d", mutates_args=(), device_types=("cpu", "cuda"))
@@ -219,7 +242,7 @@ def rotary_2d(
         return rotary_2d_reference(q, k, positions, rope_theta)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    launch_rotary(q, k, q_out, k_out, positions, rope_theta)
+    run_launches(rotary_launches(q, k, q_out, k_out, positions, rope_theta, device_target(k.device)), k.device)
     return q_out, k_out
 
 
@@ -241,7 +264,7 @@ def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_t
         q.copy_(q_rot)
         k.copy_(k_rot)
         return
-    launch_rotary(q, k, q, k, positions, rope_theta)
+    run_launches(rotary_launches(q, k, q, k, positions, rope_theta, device_target(k.device)), k.device)
 
 
 @rotary_2d_.register_fake

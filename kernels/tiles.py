@@ -1,5 +1,8 @@
 """Triton device functions that more than one kernel family uses.
 
+Strides the host found to be multiples of 16 bytes are re-derived in the kernel with
+:func:`aligned_stride`, so that the compiler can prove every row of a tile starts on a 16-byte boundary.
+
 Qwen3-VL's 2D rotary embedding on a ``(tokens, head dims)`` tile: the standalone rotary kernel
 (:mod:`qvl.kernels.rotary`) and the attention kernel, which rotates q as it loads it
 (:mod:`qvl.kernels.attention`), compute cos/sin in fp32 from int32 (row, col) positions with these, so
@@ -9,7 +12,20 @@ both round exactly alike.
 import triton
 import triton.language as tl
 
-__all__ = ["rope_apply", "rope_cos_sin", "rope_dim_tables"]
+__all__ = ["aligned_stride", "rope_apply", "rope_cos_sin", "rope_dim_tables"]
+
+
+@triton.jit
+def aligned_stride(stride, base):
+    """``stride`` (in elements of pointer ``base``), which the host checked to be a multiple of 16 bytes,
+    rounded down to that multiple: the same value, in a form the compiler can prove divisible by it.
+
+    Triton only knows an integer argument divisible by 16 elements (or not at all), so a head stride of 72
+    leaves every row address of a tile unproven, and each row is then loaded element by element, without
+    asynchronous copies. ``tl.multiple_of`` on the argument does not carry the fact through; rounding does.
+    """
+    elements: tl.constexpr = 128 // base.dtype.element_ty.primitive_bitwidth
+    return stride // elements * elements
 
 
 @triton.jit

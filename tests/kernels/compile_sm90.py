@@ -2,86 +2,94 @@
 
 Triton's wheel carries ptxas, so lowering to PTX and assembling a cubin needs no device: this catches
 kernels that the interpreter runs but the GPU compiler rejects, and tiles that overflow shared memory.
-Run as a script with TRITON_INTERPRET=0 (the interpreter's kernel objects cannot be compiled); prints one
-JSON line per variant: {"name", "shared", "num_warps"}.
+Each variant is an op's own launch list (its ``*_launches`` function, which its launcher runs) built for
+CPU stand-ins shaped, strided and aligned like the tower's calls and compiled through Triton's launch
+binder (:func:`qvl.kernels.common.compile_launch`), so what compiles here is what a launch compiles.
+
+Run as a script with TRITON_INTERPRET=0 (the interpreter's kernel objects cannot be compiled). Prints one
+JSON line ``{"variants": [names]}`` first, then one per compiled launch: ``{"name", "kernel", "shared",
+"num_warps", "num_stages"}``.
 """
 
 import json
 import os
+import sys
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") == "0", "compile with the interpreter off"
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench
+
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from qvl.kernels import attention, gelu, layer_norm, pos_embed, rotary  # noqa: E402
+from bench.sass_attention import stand_in_launches  # noqa: E402
+from qvl.kernels.common import HOPPER, compile_launch  # noqa: E402
+from qvl.kernels.gelu import bias_gelu_launches  # noqa: E402
+from qvl.kernels.layer_norm import layer_norm_launches  # noqa: E402
+from qvl.kernels.pos_embed import pos_embed_interp_launches  # noqa: E402
+from qvl.kernels.rotary import rotary_launches  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
-POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-
-
-def compile_variant(name, kernel, pointers, floats, constexprs, num_warps, num_stages=2):
-    """Signature from the kernel's own argument names: pointers and floats as given, every other
-    runtime argument an i32, the rest constexpr."""
-    signature = {}
-    for arg in kernel.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in pointers:
-            signature[arg] = pointers[arg]
-        else:
-            signature[arg] = "fp32" if arg in floats else "i32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    # pos_embed launches without FMA contraction, every other kernel with it (see FMA_CONTRACTION).
-    fusion = kernel is not pos_embed._pos_embed_interp_kernel
-    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fusion}
-    compiled = triton.compile(source, target=HOPPER, options=options)
-    print(json.dumps({"name": name, "shared": compiled.metadata.shared, "num_warps": num_warps}), flush=True)
+BF16 = torch.bfloat16
+# Qwen3-VL 8B's vision tower: 16 heads of 72, hidden 1152, MLP 4304, merger input 4 * 1152.
+TOKENS, HEADS, HIDDEN, MLP, MERGED = 1024, 16, 1152, 4304, 4608
 
 
-def attention_variant(head_dim, dtype, rope):
-    main, tail = attention.head_dim_tiles(head_dim)
-    config = attention._launch_config(head_dim, dtype)
-    p = POINTER[dtype]
-    compile_variant(
-        f"vision_attn D={head_dim} {dtype} rope={rope}",
-        attention._vision_attn_kernel,
-        {"Q": p, "K": p, "V": p, "Out": p, "CuSeqlens": "*i32", "Positions": "*i32"},
-        {"qk_scale", "log2_theta"},
-        {"HEAD_DIM": head_dim, "D_MAIN": main, "D_TAIL": tail, "BLOCK_M": config["BLOCK_M"],
-         "BLOCK_N": config["BLOCK_N"], "ROTATE_Q": rope,
-         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "WIDE_OFFSETS": False},
-        config["num_warps"], config["num_stages"],
-    )
+def rotary_in_place():
+    q, k, _ = torch.empty(TOKENS, 3, HEADS, 72, dtype=BF16).unbind(1)
+    positions = torch.zeros(TOKENS, 2, dtype=torch.int32)
+    return rotary_launches(q, k, q, k, positions, 10000.0, HOPPER)
+
+
+def pos_embed_add():
+    table = torch.empty(48 * 48, HIDDEN, dtype=BF16)
+    indices = torch.zeros(TOKENS, 4, dtype=torch.int32)
+    weights = torch.zeros(TOKENS, 4)
+    hidden = torch.empty(TOKENS, HIDDEN, dtype=BF16)
+    return pos_embed_interp_launches(table, indices, weights, hidden, True, HOPPER)
+
+
+def norm(num_cols, add):
+    x, delta, h, y = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(4))
+    weight, bias = torch.empty(num_cols, dtype=BF16), torch.empty(num_cols, dtype=BF16)
+    return layer_norm_launches(x, delta if add else None, h if add else None, weight, bias, y, 1e-6, HOPPER)
+
+
+def bias_gelu(num_cols, approximate):
+    x = torch.empty(TOKENS, num_cols, dtype=BF16)
+    return bias_gelu_launches(x, torch.empty(num_cols, dtype=BF16), x, approximate, HOPPER)
+
+
+VARIANTS = {
+    "vision_attn bf16 D=64": lambda: stand_in_launches(64, False),
+    "vision_attn bf16 D=72": lambda: stand_in_launches(72, False),
+    "vision_attn bf16 D=72 rope": lambda: stand_in_launches(72, True),
+    "vision_attn bf16 D=72 unaligned": lambda: stand_in_launches(72, False, layout="offset"),
+    "vision_attn bf16 D=256": lambda: stand_in_launches(256, False),
+    "vision_attn fp32 D=128 rope": lambda: stand_in_launches(128, True, dtype=torch.float32),
+    "rotary_2d_ bf16 D=72": rotary_in_place,
+    "pos_embed_interp_add_ bf16": pos_embed_add,
+    "layer_norm bf16 C=1152": lambda: norm(HIDDEN, False),
+    "add_layer_norm bf16 C=4608": lambda: norm(MERGED, True),
+    "bias_gelu bf16 F=4608": lambda: bias_gelu(MERGED, "none"),
+    "bias_gelu tanh bf16 F=4304": lambda: bias_gelu(MLP, "tanh"),
+}
 
 
 def main():
-    attention_variant(72, torch.bfloat16, True)
-    attention_variant(128, torch.float32, True)
-    b = POINTER[torch.bfloat16]
-    compile_variant(
-        "rotary_2d D=72", rotary._rotary_2d_kernel,
-        {"Q": b, "K": b, "QOut": b, "KOut": b, "Positions": "*i32"}, {"log2_theta"},
-        {"HEAD_DIM": 72, "BLOCK_D": 128, "BLOCK_T": 32, "ROTATE_Q": True}, 4,
-    )
-    compile_variant(
-        "pos_embed_interp_add_", pos_embed._pos_embed_interp_kernel,
-        {"Table": b, "Indices": "*i32", "Weights": "*fp32", "Out": b}, set(),
-        {"ADD": True, "NUM_TAPS": 4, "BLOCK_T": 32, "BLOCK_C": 128}, 4,
-    )
-    compile_variant(
-        "add_layer_norm C=4608", layer_norm._layer_norm_kernel,
-        {"X": b, "Delta": b, "Sum": b, "Weight": b, "Bias": b, "Y": b}, {"eps"},
-        {"BLOCK_M": 1, "BLOCK_C": 8192, "HAS_DELTA": True}, 8,
-    )
-    for tanh in (False, True):
-        compile_variant(
-            f"bias_gelu tanh={tanh}", gelu._bias_gelu_kernel,
-            {"X": b, "Bias": b, "Y": b}, set(),
-            {"BLOCK_M": 4, "BLOCK_N": 1024, "APPROXIMATE_TANH": tanh}, 4,
-        )
+    print(json.dumps({"variants": list(VARIANTS)}), flush=True)
+    for name, build in VARIANTS.items():
+        launches = build()
+        assert launches, f"{name}: nothing to launch"
+        for launch in launches:
+            compiled = compile_launch(launch, HOPPER)
+            line = {
+                "name": name,
+                "kernel": compiled.metadata.name,
+                "shared": compiled.metadata.shared,
+                "num_warps": compiled.metadata.num_warps,
+                "num_stages": compiled.metadata.num_stages,
+            }
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
