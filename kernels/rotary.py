@@ -121,10 +121,11 @@ def _rotary_2d_kernel(
                   stride_kt, stride_kh, stride_kot, stride_koh)  # fmt: skip
 
 
-def rope_inv_freq(head_dim: int, rope_theta: float, device=None) -> torch.Tensor:
-    """``(head_dim // 4,)`` fp32 inverse frequencies, computed the way transformers does."""
+def rope_inv_freq(head_dim: int, rope_theta: float, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(head_dim // 4,)`` inverse frequencies in ``dtype``, computed the way transformers does (in fp32 by
+    default, as transformers does; float64 for ground truth)."""
     spatial_dim = head_dim // 2
-    return 1.0 / (rope_theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=device) / spatial_dim))
+    return 1.0 / (rope_theta ** (torch.arange(0, spatial_dim, 2, dtype=dtype, device=device) / spatial_dim))
 
 
 def rotary_2d_reference(
@@ -136,7 +137,7 @@ def rotary_2d_reference(
     """
     head_dim = q.shape[-1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    inv_freq = rope_inv_freq(head_dim, rope_theta, device=q.device).to(compute)
+    inv_freq = rope_inv_freq(head_dim, rope_theta, device=q.device, dtype=compute)
     freqs = positions.to(compute)[..., None] * inv_freq  # (T, 2, D/4)
     angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # (T, 1, D)

@@ -3,8 +3,12 @@
 Triton decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET must be set
 before qvl.kernels is imported; this file runs first. Tests reach the pure-torch path with
 ``force_backend("torch")``.
+
+pytest puts this folder on sys.path, so tests in every subfolder import ``tolerance`` (the suite's one
+error bound) and this file's helpers by bare name.
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,6 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import qvl.kernels  # noqa: E402,F401
+from qvl.kernels import rotary_2d_reference  # noqa: E402
+from qvl.kernels.common import backend_for, force_backend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -23,6 +29,41 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 def device() -> str:
     """Where kernel tests run: CUDA when a GPU is present and the interpreter is off, else CPU."""
     return DEVICE
+
+
+def row_strided(rows: int, cols: int, dtype, device, scale=1.0, shift=0.0, pad=7) -> torch.Tensor:
+    """``(rows, cols)`` random view whose row stride is ``cols + pad``: the row-wise ops (LayerNorm, bias +
+    GELU) take free row strides."""
+    wide = torch.randn(rows, cols + pad, device=device) * scale + shift
+    return wide.to(dtype)[:, :cols]
+
+
+def norm_params(cols: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm weight and bias away from their init (1 and 0), which would hide a swapped or dropped one."""
+    weight = (1.0 + 0.3 * torch.randn(cols, device=device)).to(dtype)
+    bias = (0.2 * torch.randn(cols, device=device)).to(dtype)
+    return weight, bias
+
+
+def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL's 2D rotary of q and k entirely in float64 (inverse frequencies included: transformers and
+    the kernels compute them in fp32, a rounding of each implementation that the truth must not share with
+    one of them): the ground truth of the rotary and attention tests."""
+    return rotary_2d_reference(q.double(), k.double(), positions, rope_theta)
+
+
+@pytest.fixture(params=["default", "torch"])
+def backend(request, device):
+    """The path under test: the device's default (interpreter on CPU, Triton on CUDA) or torch."""
+    context = force_backend("torch") if request.param == "torch" else contextlib.nullcontext()
+    with context:
+        yield backend_for(torch.device(device))
+
+
+@pytest.fixture
+def argument_check_inputs(device):
+    """``x (8, 16)``, ``w``, ``b (16,)``: fp32 inputs for the row-wise ops' argument checks."""
+    return dict(x=torch.randn(8, 16, device=device), w=torch.randn(16, device=device), b=torch.randn(16, device=device))
 
 
 @pytest.fixture

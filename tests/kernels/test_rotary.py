@@ -9,15 +9,17 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 )
 from transformers.vision_utils import get_vision_position_ids
 
+from conftest import float64_rotary
 from qvl.kernels import force_backend, rotary_2d_reference
+from tolerance import assert_error_within
 
 GRIDS = [[1, 2, 2], [1, 6, 10], [1, 50, 34], [2, 8, 8], [4, 16, 12]]
-# One ulp of the dtype at |x| ~ 4, the largest rotated values these tests see.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 
 
-def transformers_rotary(q, k, positions, head_dim):
-    config = Qwen3VLVisionConfig(hidden_size=head_dim * q.shape[1], num_heads=q.shape[1])
+def transformers_rotary(q, k, positions, head_dim, rope_theta=10000.0):
+    config = Qwen3VLVisionConfig(
+        hidden_size=head_dim * q.shape[1], num_heads=q.shape[1], rope_parameters={"rope_theta": rope_theta}
+    )
     cos, sin = Qwen3VLVisionRotaryEmbedding(config)(q, positions.long())
     return apply_rotary_pos_emb_vision(q, k, cos, sin)
 
@@ -36,17 +38,15 @@ def test_matches_transformers(head_dim, dtype):
     expected_q, expected_k = transformers_rotary(q, k, positions, head_dim)
     q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
     assert q_rot.is_contiguous() and q_rot.dtype == dtype
-    torch.testing.assert_close(q_rot, expected_q, rtol=0, atol=TOLERANCE[dtype])
-    torch.testing.assert_close(k_rot, expected_k, rtol=0, atol=TOLERANCE[dtype])
+    assert_error_within((q_rot, k_rot), float64_rotary(q, k, positions), (expected_q, expected_k), what="q, k")
 
 
 def test_large_grid_and_theta():
     positions = grid_positions([GRIDS[2]])
     q, k = torch.randn(2, positions.shape[0], 1, 72).unbind(0)
-    expected = rotary_2d_reference(q.double(), k.double(), positions, 500.0)
     got = torch.ops.qvl.rotary_2d(q, k, positions, 500.0)
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g.double(), e, rtol=0, atol=2e-5)
+    in_transformers = transformers_rotary(q, k, positions, 72, 500.0)
+    assert_error_within(got, float64_rotary(q, k, positions, 500.0), in_transformers, what="q, k")
 
 
 def test_in_place_on_packed_qkv_views():
@@ -68,8 +68,10 @@ def test_torch_path_matches_kernel():
         reference = torch.ops.qvl.rotary_2d(q, k, positions)
         q_in_place, k_in_place = q.clone(), k.clone()
         torch.ops.qvl.rotary_2d_(q_in_place, k_in_place, positions)
-    for a, b in zip(kernel, reference):
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    # Both paths within rounding of float64, by the same yardstick, hence of each other.
+    truth, in_transformers = float64_rotary(q, k, positions), transformers_rotary(q, k, positions, 80)
+    assert_error_within(kernel, truth, in_transformers, what="kernel")
+    assert_error_within(reference, truth, in_transformers, what="torch path")
     torch.testing.assert_close(q_in_place, reference[0], rtol=0, atol=0)
 
 
@@ -99,7 +101,8 @@ def test_compile_fullgraph_without_recompiles():
         qkv = torch.randn(positions.shape[0], 3, 2, 72)
         q, k, _ = qkv.unbind(1)
         expected = sum(rotary_2d_reference(q, k, positions))
-        torch.testing.assert_close(compiled(qkv, positions), expected, rtol=0, atol=5e-5)
+        truth = sum(float64_rotary(q, k, positions))
+        assert_error_within(compiled(qkv, positions), truth, expected, what=f"compiled, grids {grids}")
 
     check([[1, 4, 6]])
     with torch.compiler.set_stance("fail_on_recompile"):

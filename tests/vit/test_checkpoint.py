@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
-from towers import full_config, hf_vision_model, pixel_values_for, randomize
 from transformers import Qwen3VLForConditionalGeneration
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionTransformer
 from qvl.vit.checkpoint import CheckpointError, load_vision_checkpoint, save_vision_checkpoint
+from towers import full_config, hf_vision_model, pixel_values_for, randomize
 
 GRID = [[1, 4, 6], [2, 2, 2]]
 
@@ -56,11 +56,19 @@ def test_pickled_weights_are_never_loaded(tmp_path):
     [
         (lambda d: None, "config.json: not found"),
         (lambda d: (d / "config.json").write_text("{not json"), "config.json: unreadable"),
-        (lambda d: ((d / "config.json").write_text("{}"), (d / "model.safetensors").write_bytes(b"garbage")),
-         "model.safetensors: unreadable"),
-        (lambda d: ((d / "config.json").write_text("{}"),
-                    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))),
-         "part-1.safetensors: not found"),
+        (
+            lambda d: ((d / "config.json").write_text("{}"), (d / "model.safetensors").write_bytes(b"garbage")),
+            "model.safetensors: unreadable",
+        ),
+        (
+            lambda d: (
+                (d / "config.json").write_text("{}"),
+                (d / "model.safetensors.index.json").write_text(
+                    json.dumps({"weight_map": {"a": "part-1.safetensors"}})
+                ),
+            ),
+            "part-1.safetensors: not found",
+        ),
     ],
 )
 def test_bad_directories_name_the_file(tmp_path, make, words):

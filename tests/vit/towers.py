@@ -1,7 +1,14 @@
-"""Tiny Qwen3-VL models with random weights, built from transformers' configs (nothing downloaded)."""
+"""Tiny Qwen3-VL models with random weights, built from transformers' configs (nothing downloaded), and
+their float64 runs: the ground truth of the suite's tolerance rule (tests/tolerance.py)."""
+
+import contextlib
+import copy
+import dataclasses
+from unittest import mock
 
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
+from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 IMAGE_TOKEN_ID = 60
@@ -50,8 +57,9 @@ TEXT_KWARGS = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 8, 8]},
 )
 MOE_TEXT_KWARGS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-TOKEN_IDS = dict(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
-                 vision_start_token_id=VISION_START_TOKEN_ID)
+TOKEN_IDS = dict(
+    image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID
+)
 
 
 def full_config() -> Qwen3VLConfig:
@@ -62,10 +70,78 @@ def moe_full_config():
     """The MoE variant (Qwen3-VL-30B-A3B's classes) at toy size."""
     from transformers import Qwen3VLMoeConfig
 
-    return Qwen3VLMoeConfig(vision_config=dict(VISION_KWARGS), text_config={**TEXT_KWARGS, **MOE_TEXT_KWARGS},
-                            **TOKEN_IDS)
+    return Qwen3VLMoeConfig(
+        vision_config=dict(VISION_KWARGS), text_config={**TEXT_KWARGS, **MOE_TEXT_KWARGS}, **TOKEN_IDS
+    )
 
 
 def pixel_values_for(grid_thw, seed: int = 0, channels: int = 3 * 2 * 16 * 16) -> torch.Tensor:
     tokens = int(torch.as_tensor(grid_thw).prod(-1).sum())
     return torch.randn(tokens, channels, generator=torch.Generator().manual_seed(seed))
+
+
+def hf_vision_model_of(tower) -> Qwen3VLVisionModel:
+    """transformers' vision model with a qvl ``VisionTransformer``'s shape and weights, in the tower's dtype."""
+    fields = dataclasses.asdict(tower.config)
+    rope_theta = fields.pop("rope_theta")
+    fields.pop("layer_norm_eps")  # transformers' vision LayerNorms have eps 1e-6, qvl's default
+    fields["deepstack_visual_indexes"] = list(fields["deepstack_visual_indexes"])
+    model = Qwen3VLVisionModel(vision_config(**fields, rope_parameters={"rope_theta": rope_theta}))
+    model.load_state_dict(tower.state_dict())
+    return model.to(tower.dtype).eval()
+
+
+@contextlib.contextmanager
+def rotary_in_float64():
+    """Inside the block a float64 transformers vision model also rotates q and k in float64.
+
+    transformers computes the vision rotary in fp32 whatever the model's dtype (``.float()`` casts in
+    ``Qwen3VLVisionRotaryEmbedding.forward`` and ``apply_rotary_pos_emb_vision``), which would leave a
+    float64 run only fp32-accurate there. The inverse frequencies ``rope_theta ** (-i / n)`` are computed
+    in float64 too: they are not weights but a rounding of each implementation (like ``float64_rotary`` in
+    tests/conftest.py). Other dtypes run transformers' code.
+    """
+    rotary_forward = modeling_qwen3_vl.Qwen3VLVisionRotaryEmbedding.forward
+    apply_rotary = modeling_qwen3_vl.apply_rotary_pos_emb_vision
+
+    def forward(self, x, position_ids):
+        if x.dtype != torch.float64:
+            return rotary_forward(self, x, position_ids)
+        n = self.inv_freq.numel()
+        exponents = torch.arange(n, dtype=torch.float64, device=x.device) / n
+        freqs = position_ids[..., None].double() * self.config.rope_parameters["rope_theta"] ** -exponents
+        scale = self.attention_scaling
+        return self.recomposition_frequencies(freqs.cos() * scale), self.recomposition_frequencies(freqs.sin() * scale)
+
+    def apply(q, k, cos, sin):
+        if q.dtype != torch.float64:
+            return apply_rotary(q, k, cos, sin)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        rotate_half = modeling_qwen3_vl.rotate_half
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    with (
+        mock.patch.object(modeling_qwen3_vl.Qwen3VLVisionRotaryEmbedding, "forward", forward),
+        mock.patch.object(modeling_qwen3_vl, "apply_rotary_pos_emb_vision", apply),
+    ):
+        yield
+
+
+def vision_outputs(model: Qwen3VLVisionModel, pixel_values: torch.Tensor, grid_thw) -> list[torch.Tensor]:
+    """``[pooler_output, *deepstack_features]`` of a transformers vision model, in the model's dtype."""
+    with torch.no_grad():
+        out = model(pixel_values.to(model.dtype), grid_thw=torch.as_tensor(grid_thw))
+    return [out.pooler_output, *out.deepstack_features]
+
+
+def float64_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of a transformers module (the original keeps its dtype): the same computation on the
+    same, already rounded, weights without further rounding."""
+    return copy.deepcopy(module).double()
+
+
+def float64_vision_outputs(model: Qwen3VLVisionModel, pixel_values: torch.Tensor, grid_thw) -> list[torch.Tensor]:
+    """:func:`vision_outputs` of a float64 copy of ``model`` (rotary included) on the same, already
+    rounded, inputs and weights: the ground truth for ``tolerance.assert_error_within``."""
+    with rotary_in_float64():
+        return vision_outputs(float64_copy(model), pixel_values.double(), grid_thw)
