@@ -128,7 +128,8 @@ def flash_attn_varlen(device: Device) -> Bind:
 
 def flex_attention(device: Device) -> Bind:
     harness.require_cuda(device)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as op
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as op
 
     # Every case is a new static shape; past dynamo's recompile limit flex would fall back to its eager
     # path, which materializes the scores.

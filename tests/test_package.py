@@ -10,8 +10,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "TRITON_INTERPRET": "0"}, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+        check=True,
+    )
     return result.stdout.strip()
 
 
@@ -70,7 +77,7 @@ def test_no_import_cycle_between_qvl_modules():
     def visit(name):
         if name in done:
             return
-        assert name not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(name):] + [name])}"
+        assert name not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(name) :] + [name])}"
         visiting.append(name)
         for other in sorted(graph[name]):
             visit(other)

@@ -40,7 +40,9 @@ class SegmentCost:
         hidden, merged = config.hidden_size, config.merged_width
         block = 2 * hidden * (4 * hidden + 2 * config.intermediate_size)
         mergers = (1 + len(config.deepstack_visual_indexes)) * 2 * hidden * (merged + config.out_hidden_size)
-        return cls(linear=2 * config.patch_dim * hidden + config.depth * block + mergers, quadratic=config.depth * 4 * hidden)
+        return cls(
+            linear=2 * config.patch_dim * hidden + config.depth * block + mergers, quadratic=config.depth * 4 * hidden
+        )
 
     def __call__(self, n: int) -> int:
         return n * (self.linear + self.quadratic * n)

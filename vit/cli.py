@@ -157,9 +157,7 @@ def _frame_files(directory: Path) -> list[Path]:
         raise CliError(f"{directory}: not a directory (--video takes a folder of frame images)") from None
     except PermissionError:
         raise CliError(f"{directory}: permission denied") from None
-    frames = [
-        p for p in entries if p.suffix.lower() in readable and not p.name.startswith(".") and not p.is_dir()
-    ]
+    frames = [p for p in entries if p.suffix.lower() in readable and not p.name.startswith(".") and not p.is_dir()]
     if not frames:
         raise CliError(f"{directory}: no frame images (expected files such as 0001.png, 0002.png, ...)")
     return sorted(frames, key=_natural_key)

@@ -28,7 +28,9 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+            raise ValueError(
+                f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}"
+            )
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
             raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")

@@ -262,6 +262,7 @@ def build_metadata(
         merged_token_counts=tuple((token_counts // (merge * merge)).tolist()),
     )
 
+
 def _gather_to(plan: np.ndarray, rows: np.ndarray, device: torch.device) -> torch.Tensor:
     """``plan[rows]`` as a tensor on ``device``, gathered straight into the (for CUDA, pinned) staging
     tensor. np.take copies whole rows where 2-D fancy indexing is several times slower, and

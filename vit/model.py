@@ -204,7 +204,9 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(_Block(config, widths) for _ in range(config.depth))
         self.merger = _Merger(config, False, widths)
-        self.deepstack_merger_list = nn.ModuleList(_Merger(config, True, widths) for _ in config.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            _Merger(config, True, widths) for _ in config.deepstack_visual_indexes
+        )
         if dtype is not None or device is not None:
             self.to(dtype=dtype, device=device)
 
@@ -286,13 +288,19 @@ class VisionTransformer(nn.Module):
         is used: each rank builds its own share's metadata)."""
         if self._parallel.mode == "data":
             return self.forward(pixel_values, meta.grid_thw)
-        return self._parallel.run(pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device)
+        return self._parallel.run(
+            pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device
+        )
 
-    def _encode_local(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _encode_local(
+        self, pixel_values: torch.Tensor, meta: VisionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
         expected = (meta.num_tokens, self.config.patch_dim)
         if tuple(pixel_values.shape) != expected:
-            raise ValueError(f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
+            raise ValueError(
+                f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}"
+            )
         if meta.num_tokens == 0:
             empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
             return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]

@@ -98,8 +98,9 @@ def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
     return entries.get("cpu", "none") != "none"
 
 
-def make_parallel(mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None,
-                  caller: str = "VisionTransformer") -> SingleProcess:
+def make_parallel(
+    mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None, caller: str = "VisionTransformer"
+) -> SingleProcess:
     """The strategy a tower runs with: :class:`SingleProcess` for ``mode=None`` or a group of one process,
     else a :class:`WeightsParallel` or :class:`DataParallel`. Raises on every rank alike (nothing here
     communicates) when the mode is unknown, torch.distributed is not initialized, this process is not in

@@ -297,9 +297,23 @@ def test_torchrun_weights_parallel_equals_single_process(images, embedded_tower,
     single, sharded = tmp_path / "single.safetensors", tmp_path / "sharded.safetensors"
     assert encode(images[0], images[2], "-o", single) == 0
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "qvl.vit", "encode", str(images[0]), str(images[2]),
-               "--parallel", "weights", "-o", str(sharded)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "qvl.vit",
+        "encode",
+        str(images[0]),
+        str(images[2]),
+        "--parallel",
+        "weights",
+        "-o",
+        str(sharded),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("qvl: wrote") == 1 and "weights-parallel" in result.stderr
