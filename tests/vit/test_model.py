@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import gc
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from conftest import ON_GPU
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer
+from qvl.vit.model import _size_oblivious_tracing
 from tolerance import assert_error_within
 from towers import float64_vision_outputs, hf_vision_model, pixel_values_for, vision_config, vision_outputs
 
@@ -100,6 +102,20 @@ def test_compiled_tower_through_the_interpreter():
     assert_matches(tower, hf, [[1, 4, 4]])
     with torch.compiler.set_stance("fail_on_recompile"):
         assert_matches(tower, hf, [[2, 2, 4], [1, 6, 2]])
+
+
+def test_size_oblivious_switch_is_optional(monkeypatch):
+    """The compiled tower turns on torch's private size-oblivious tracing switch when it exists; a torch
+    without it gets a no-op (one more compile for a batch of one merged token), not an error."""
+    import torch.fx.experimental
+    from torch.fx.experimental import _config as fx_config
+
+    with _size_oblivious_tracing():
+        assert fx_config.backed_size_oblivious
+    monkeypatch.delattr(torch.fx.experimental, "_config")
+    monkeypatch.setitem(sys.modules, "torch.fx.experimental._config", None)
+    with _size_oblivious_tracing():
+        assert not fx_config.backed_size_oblivious
 
 
 @contextlib.contextmanager
