@@ -32,6 +32,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from qvl.kernels import attention  # noqa: E402
 from qvl.kernels.common import HOPPER, KernelLaunch, compile_launch  # noqa: E402
@@ -57,7 +58,11 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?\b0x([0-9a-f]+)\s*$")
 
 
 def stand_in_launches(
-    head_dim: int, rotate_q: bool, layout: str = "packed", dtype: torch.dtype = torch.bfloat16
+    head_dim: int,
+    rotate_q: bool,
+    layout: str = "packed",
+    dtype: torch.dtype = torch.bfloat16,
+    target: GPUTarget = HOPPER,
 ) -> list[KernelLaunch]:
     """The launches ``vision_attn`` makes for the tower's call (rotary for k with rope, then attention),
     built on CPU tensors."""
@@ -67,7 +72,7 @@ def stand_in_launches(
     out = torch.empty(q.shape, dtype=dtype)
     cu_seqlens = torch.tensor([0, NUM_TOKENS // 4, NUM_TOKENS], dtype=torch.int32)
     positions = torch.zeros(NUM_TOKENS, 2, dtype=torch.int32) if rotate_q else None
-    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, HOPPER)
+    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, target)
 
 
 def key_loop(instructions: list[tuple[int, str]]) -> list[str]:

@@ -48,6 +48,7 @@ from .common import (
     device_target,
     rows_16_byte_aligned,
     run_launches,
+    shared_memory_per_block,
 )
 from .rotary import check_positions, check_rope_head_dim, check_rope_theta, rotary_2d_reference, rotary_launches
 from .tiles import aligned_stride, rope_apply, rope_cos_sin, rope_dim_tables
@@ -251,12 +252,16 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget) -> dict:
     ``head_dim`` in ``dtype`` on ``target`` (see :func:`qvl.kernels.common.device_target`).
 
     fp32 tiles, and 16-bit ones wider than 128, are halved so their staged copies fit the 227 KiB of shared
-    memory a Hopper block may use (checked by compiling for sm_90 in tests/kernels/test_cuda_compile.py).
-    Every target gets the values chosen for Hopper; the interpreter ignores warps, stages and options.
+    memory a Hopper block may use; fp32 tiles wider than 128 (136 KiB at 64 x 32) are quartered again where
+    a block may use less (99 KiB on sm_86, sm_89, sm_12x). tests/kernels/test_cuda_compile.py compiles them
+    for sm_90 and sm_89 and checks. The interpreter ignores warps, stages and options.
     """
     main, tail = head_dim_tiles(head_dim)
     if dtype == torch.float32 or main + tail > 128:
         tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        budget = shared_memory_per_block(target)
+        if dtype == torch.float32 and main + tail > 128 and budget is not None and budget < 136 * 1024:
+            tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
     else:
         tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(

@@ -36,6 +36,7 @@ from triton.backends.compiler import GPUTarget
 __all__ = [
     "BACKENDS",
     "FMA_CONTRACTION",
+    "ADA",
     "HOPPER",
     "INTERPRETER",
     "KernelLaunch",
@@ -64,7 +65,12 @@ FMA_CONTRACTION = {"enable_fp_fusion": True}
 # (backend, compute capability as major * 10 + minor, warp size); Triton's interpreter, which runs the
 # kernels on CPU tensors, is a target of its own.
 HOPPER = GPUTarget("cuda", 90, 32)
+ADA = GPUTarget("cuda", 89, 32)
 INTERPRETER = GPUTarget("interpreter", 0, 1)
+# The most shared memory one block may use, by compute capability (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"): 99 KiB on the consumer parts 8.6, 8.9 and 12.x.
+_SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
+                            90: 227 * 1024, 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}  # fmt: skip
 
 _state = threading.local()
 _value_checks = os.environ.get("QVL_CHECK_INPUTS", "0") not in ("", "0")
@@ -132,6 +138,17 @@ def device_target(device: torch.device) -> GPUTarget:
         major, minor = torch.cuda.get_device_capability(device)
         return GPUTarget("cuda", major * 10 + minor, 32)
     return INTERPRETER
+
+
+def shared_memory_per_block(target: GPUTarget) -> int | None:
+    """Bytes of shared memory one block may use on ``target``; None for the interpreter (no limit). An
+    architecture missing from the table gets the smallest budget of its major version, or 64 KiB."""
+    if target.backend != "cuda":
+        return None
+    if target.arch in _SHARED_MEMORY_PER_BLOCK:
+        return _SHARED_MEMORY_PER_BLOCK[target.arch]
+    same_major = [size for arch, size in _SHARED_MEMORY_PER_BLOCK.items() if arch // 10 == target.arch // 10]
+    return min(same_major, default=64 * 1024)
 
 
 class KernelLaunch(NamedTuple):

@@ -1,4 +1,5 @@
-"""Compile every qvl Triton kernel for Hopper (sm_90) on a machine without a GPU.
+"""Compile every qvl Triton kernel for Hopper (sm_90), and the attention tiles that differ on Ada (sm_89), on a
+machine without a GPU.
 
 Triton's wheel carries ptxas, so lowering to PTX and assembling a cubin needs no device: this catches
 kernels that the interpreter runs but the GPU compiler rejects, and tiles that overflow shared memory.
@@ -8,7 +9,7 @@ binder (:func:`qvl.kernels.common.compile_launch`), so what compiles here is wha
 
 Run as a script with TRITON_INTERPRET=0 (the interpreter's kernel objects cannot be compiled). Prints one
 JSON line ``{"variants": [names]}`` first, then one per compiled launch: ``{"name", "kernel", "shared",
-"num_warps", "num_stages"}``.
+"shared_limit", "num_warps", "num_stages"}`` (``shared_limit``: the most a block may use on the target).
 """
 
 import json
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import torch  # noqa: E402
 
 from bench.sass_attention import stand_in_launches  # noqa: E402
-from qvl.kernels.common import HOPPER, compile_launch  # noqa: E402
+from qvl.kernels.common import ADA, HOPPER, compile_launch, shared_memory_per_block  # noqa: E402
 from qvl.kernels.gelu import bias_gelu_launches  # noqa: E402
 from qvl.kernels.layer_norm import layer_norm_launches  # noqa: E402
 from qvl.kernels.pos_embed import pos_embed_interp_launches  # noqa: E402
@@ -66,6 +67,8 @@ VARIANTS = {
     "vision_attn bf16 D=72 unaligned": lambda: stand_in_launches(72, False, layout="offset"),
     "vision_attn bf16 D=256": lambda: stand_in_launches(256, False),
     "vision_attn fp32 D=128 rope": lambda: stand_in_launches(128, True, dtype=torch.float32),
+    "vision_attn fp32 D=256": lambda: stand_in_launches(256, False, dtype=torch.float32),
+    "vision_attn fp32 D=256 sm_89": lambda: stand_in_launches(256, False, dtype=torch.float32, target=ADA),
     "rotary_2d_ bf16 D=72": rotary_in_place,
     "pos_embed_interp_add_ bf16": pos_embed_add,
     "layer_norm bf16 C=1152": lambda: norm(HIDDEN, False),
@@ -80,12 +83,14 @@ def main():
     for name, build in VARIANTS.items():
         launches = build()
         assert launches, f"{name}: nothing to launch"
+        target = ADA if name.endswith("sm_89") else HOPPER
         for launch in launches:
-            compiled = compile_launch(launch, HOPPER)
+            compiled = compile_launch(launch, target)
             line = {
                 "name": name,
                 "kernel": compiled.metadata.name,
                 "shared": compiled.metadata.shared,
+                "shared_limit": shared_memory_per_block(target),
                 "num_warps": compiled.metadata.num_warps,
                 "num_stages": compiled.metadata.num_stages,
             }

@@ -11,7 +11,7 @@ import torch
 import qvl.kernels.attention as attention
 import qvl.kernels.rotary as rotary
 from qvl.kernels import rotary_2d_reference, vision_attn_reference
-from qvl.kernels.common import INTERPRETER, rows_16_byte_aligned
+from qvl.kernels.common import ADA, HOPPER, INTERPRETER, rows_16_byte_aligned, run_launches
 from tolerance import assert_error_within
 
 LENGTHS = [37, 0, 70]
@@ -155,3 +155,15 @@ def test_rotary_in_place_on_every_layout(layout, head_dim, dtype, aligned):
     expected_q, expected_k = torch.ops.qvl.rotary_2d(q.contiguous(), k.contiguous(), positions)
     torch.ops.qvl.rotary_2d_(q, k, positions)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+@pytest.mark.parametrize("target", [HOPPER, ADA], ids=["sm_90", "sm_89"])
+def test_each_targets_tiles_compute_the_same_attention(target):
+    """fp32 at D 256 gets smaller tiles where a block has less shared memory (launch_config): every target's
+    tiles, run through the interpreter, meet the same bound against float64."""
+    q, k, v = packed(256, torch.float32, seed=11)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    launches = attention.vision_attn_launches(q, k, v, out, CU_SEQLENS, None, None, 10000.0, target)
+    run_launches(launches, q.device)
+    truth = vision_attn_reference(q.double(), k.double(), v.double(), CU_SEQLENS)
+    assert_error_within(out, truth, attention_in_dtype(q, k, v, CU_SEQLENS, None), what=f"tiles for {target}")
