@@ -42,6 +42,7 @@ Exact contracts (bit-identical round trips, fused-vs-unfused paths that are equa
 not tolerance questions and stay ``rtol=0, atol=0`` in the tests that state them.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -67,24 +68,46 @@ def scale_of(truth: torch.Tensor) -> float:
     return truth.detach().abs().max().item() if truth.numel() else 0.0
 
 
-def default_eps(dtype: torch.dtype, truth: torch.Tensor) -> float:
-    """``DEFAULT_ULPS`` units of the dtype's resolution at the output's scale (see the module docstring)."""
-    return DEFAULT_ULPS * resolution(dtype) * scale_of(truth)
+def default_eps(dtype: torch.dtype, truth: torch.Tensor, ulps: int = DEFAULT_ULPS) -> float:
+    """``ulps`` units of the dtype's resolution at the output's scale (see the module docstring)."""
+    return ulps * resolution(dtype) * scale_of(truth)
 
 
-def assert_error_within(actual, truth, baseline, *, factor=DEFAULT_FACTOR, eps=None, what=""):
+def online_softmax_ulps(cu_seqlens: torch.Tensor, block_n: int, max_abs_logit: float) -> int:
+    """The ulps of ``eps`` for attention computed with an online softmax over key blocks of ``block_n``, in
+    base 2, for scaled logits ``q.k * scale`` of at most ``max_abs_logit`` in magnitude.
+
+    Such a kernel (flash attention, the Triton tutorial's) rounds in sequence where a one-pass softmax
+    (torch's, the baseline) does not, and each of these roundings is the algorithm's, not one machine's:
+
+    * it rescales its output accumulator once per key block after the first, ``acc * exp2(m_old - m_new)``:
+      one rounding at the output's scale per block;
+    * it folds log2(e) into the scale, ``exp2(q.k * scale * log2(e) - m)``: one more rounding of the
+      exponent's argument, at the argument's own scale, up to ``max_abs_logit * log2(e)``; an error of
+      ``d`` in the argument is a relative error of ``d`` in every probability, so in the output.
+
+    In 16-bit dtypes the output's final rounding dwarfs these; in fp32 they are what lets a correct kernel's
+    error pass twice torch's on long segments and wide logits. So the kernel gets :data:`DEFAULT_ULPS`, one
+    ulp per key block of its longest segment and ``ceil(max_abs_logit * log2(e))`` ulps for the argument.
+    """
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    return DEFAULT_ULPS + -(-longest // block_n) + math.ceil(max_abs_logit * math.log2(math.e))
+
+
+def assert_error_within(actual, truth, baseline, *, factor=DEFAULT_FACTOR, eps=None, ulps=DEFAULT_ULPS, what=""):
     """Pass when max|actual - truth| <= factor * max|baseline - truth| + eps.
 
     actual: the result under test (any float dtype); truth: the same quantity computed in float64;
     baseline: torch's / transformers' own computation in actual's dtype on the same inputs.
-    eps defaults to ``default_eps(actual.dtype, truth)``: two units of the dtype's resolution at
-    ``max|truth|`` (why: the module docstring). Tuples/lists of tensors are compared pairwise, each pair
-    with its own scale. The failure message gives both errors and the bound.
+    eps defaults to ``ulps`` (default two, why: the module docstring; more where the algorithm under test
+    rounds more often in sequence than torch's, e.g. :func:`online_softmax_ulps`) units of the dtype's
+    resolution at ``max|truth|``. Tuples/lists of tensors are compared pairwise, each pair with its own
+    scale. The failure message gives both errors and the bound.
     """
     if isinstance(actual, Sequence) and not isinstance(actual, torch.Tensor):
         assert len(actual) == len(truth) == len(baseline), f"{what}: {len(actual)}, {len(truth)}, {len(baseline)} items"
         for i, (a, t, b) in enumerate(zip(actual, truth, baseline)):
-            assert_error_within(a, t, b, factor=factor, eps=eps, what=f"{what}[{i}]")
+            assert_error_within(a, t, b, factor=factor, eps=eps, ulps=ulps, what=f"{what}[{i}]")
         return
     assert actual.is_floating_point(), f"{what}: {actual.dtype} is not a floating dtype"
     assert truth.dtype == torch.float64, f"{what}: the truth must be float64, got {truth.dtype}"
@@ -93,7 +116,7 @@ def assert_error_within(actual, truth, baseline, *, factor=DEFAULT_FACTOR, eps=N
         f"{what}: shapes {tuple(actual.shape)}, {tuple(truth.shape)}, {tuple(baseline.shape)}"
     )
     if eps is None:
-        eps = default_eps(actual.dtype, truth)
+        eps = default_eps(actual.dtype, truth, ulps)
     error = max_error(actual, truth)
     baseline_error = max_error(baseline, truth)
     bound = factor * baseline_error + eps
