@@ -24,6 +24,7 @@ checks in tests/kernels and ``python -m bench.sass_attention``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,9 +35,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 __all__ = [
+    "ADA",
     "BACKENDS",
     "FMA_CONTRACTION",
-    "ADA",
     "HOPPER",
     "INTERPRETER",
     "KernelLaunch",
@@ -51,6 +52,7 @@ __all__ = [
     "rows_16_byte_aligned",
     "run_launches",
     "set_value_checks",
+    "shared_memory_per_block",
     "value_checks_enabled",
 ]
 
@@ -133,11 +135,17 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
 
 def device_target(device: torch.device) -> GPUTarget:
     """The target a kernel launched for tensors on ``device`` runs on, without a device sync (the compute
-    capability comes from torch's cached device properties); CPU tensors run in the interpreter."""
+    capability comes from torch's device properties, read once per device); CPU tensors run in the
+    interpreter."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return GPUTarget("cuda", major * 10 + minor, 32)
+        return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
     return INTERPRETER
+
+
+@functools.cache
+def _cuda_target(index: int) -> GPUTarget:
+    major, minor = torch.cuda.get_device_capability(index)
+    return GPUTarget("cuda", major * 10 + minor, 32)
 
 
 def shared_memory_per_block(target: GPUTarget) -> int | None:

@@ -136,15 +136,16 @@ class _PatchedForward:
         visual = self.visual
         if kwargs.get("output_attentions", getattr(visual.config, "output_attentions", False)):
             return "per-layer attention outputs were requested (output_attentions); qvl's fused attention has none"
-        devices = {param.device for param in visual.parameters()}
+        devices, any_requires_grad = set(), False
+        for param in visual.parameters():
+            devices.add(param.device)
+            any_requires_grad = any_requires_grad or param.requires_grad
         if len(devices) > 1 or torch.device("meta") in devices:
             return (
                 "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
                 " until each submodule's hook loads them; or split over devices by a device map)"
             )
-        if torch.is_grad_enabled() and (
-            hidden_states.requires_grad or any(param.requires_grad for param in visual.parameters())
-        ):
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any_requires_grad):
             return (
                 "gradients are required and qvl's ops have no autograd yet, so training runs unfused until they do"
                 " (for inference use torch.no_grad() or torch.inference_mode(); a frozen tower,"
