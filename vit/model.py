@@ -16,7 +16,7 @@ compile it once for every batch shape.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,11 +26,14 @@ from torch import nn
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 
 from .config import VisionConfig
-from .layers import AllReduce, patch_merger, row_parallel_linear, vision_mlp
+from .layers import AllReduce, Product, patch_merger, row_parallel_linear, vision_mlp
 from .metadata import VisionMetadata, build_metadata
 from .parallel import LocalWidths, make_parallel
 
-__all__ = ["VisionTransformer", "tower_forward"]
+__all__ = ["LinearParts", "VisionTransformer", "call_compiled", "tower_forward"]
+
+# A linear module -> (weight or bias-less product, bias), the arguments the layer functions take for it.
+LinearParts = Callable[[nn.Module], tuple[torch.Tensor | Product, torch.Tensor]]
 
 
 class _Attention(nn.Module):
@@ -87,6 +90,7 @@ def tower_forward(
     spatial_merge_size: int,
     all_reduce: AllReduce | None = None,
     hidden_states_out: list[torch.Tensor] | None = None,
+    linear: LinearParts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The device part of the tower's forward over a module tree with transformers' names.
 
@@ -100,6 +104,9 @@ def tower_forward(
         hidden_states_out: a list that receives the residual stream as transformers' ``output_hidden_states``
             records it: the embedded patches (the first block's input), then each block's output, ``depth + 1``
             tensors ``(T, C)``, the last one ``last_hidden_state`` itself. None (the default) records nothing.
+        linear: maps each linear module (qkv, proj, fc1, fc2) to its ``(weight, bias)`` as the layer functions
+            take them (:mod:`qvl.vit.layers`); the weight may be a bias-less :data:`~qvl.vit.layers.Product`.
+            None (the default) reads ``module.weight`` and ``module.bias``.
 
     Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden), deepstack list)``.
     """
@@ -117,17 +124,16 @@ def tower_forward(
     first = blocks[0].norm1
     h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
     deepstack = []
+    linear = linear or _weight_and_bias
     for index, block in enumerate(blocks):
         attn = block.attn
-        qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+        qkv = row_parallel_linear(h, *linear(attn.qkv), None)
         q, k, v = qkv.view(num_tokens, 3, num_heads, qkv.shape[1] // (3 * num_heads)).unbind(1)
         a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
-        a = row_parallel_linear(a.flatten(1), attn.proj.weight, attn.proj.bias, all_reduce)
+        a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
         x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
         mlp = block.mlp
-        m = vision_mlp(
-            h, mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias, all_reduce
-        )
+        m = vision_mlp(h, *linear(mlp.linear_fc1), *linear(mlp.linear_fc2), all_reduce)
         if index + 1 < len(blocks):
             norm = blocks[index + 1].norm1
             x, h = torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
@@ -137,9 +143,25 @@ def tower_forward(
             hidden_states_out.append(x)
         if index in deepstack_visual_indexes:
             merger = tower.deepstack_merger_list[list(deepstack_visual_indexes).index(index)]
-            deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce))
-    merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce)
+            deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce, linear))
+    merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce, linear)
     return x, merged, deepstack
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return module.weight, module.bias
+
+
+def call_compiled(compiled, *args: torch.Tensor):
+    """Call a tower's compiled device part so that every batch reuses one graph: each argument's first
+    (token) dim marked dynamic, and the first argument (pixel values) made a fresh tensor when it is a view
+    with an offset (Dynamo guards on a view's storage offset)."""
+    if args[0].storage_offset() != 0:
+        args = (args[0].clone(),) + args[1:]
+    for tensor in args:
+        torch._dynamo.mark_dynamic(tensor, 0)
+    with _size_oblivious_tracing():
+        return compiled(*args)
 
 
 def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
@@ -154,15 +176,15 @@ def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
-def _merge(merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce) -> torch.Tensor:
+def _merge(
+    merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce, linear: LinearParts
+) -> torch.Tensor:
     return patch_merger(
         x,
         merger.norm.weight,
         merger.norm.bias,
-        merger.linear_fc1.weight,
-        merger.linear_fc1.bias,
-        merger.linear_fc2.weight,
-        merger.linear_fc2.bias,
+        *linear(merger.linear_fc1),
+        *linear(merger.linear_fc2),
         spatial_merge_size=spatial_merge_size,
         postshuffle_norm=postshuffle_norm,
         eps=merger.norm.eps,
@@ -307,13 +329,7 @@ class VisionTransformer(nn.Module):
         args = (pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights)
         if self._compiled_forward is None:
             return self._device_forward(*args)
-        if args[0].storage_offset() != 0:
-            # Dynamo guards on a view's storage offset; a fresh tensor keeps every batch on one graph.
-            args = (args[0].clone(),) + args[1:]
-        for tensor in args:
-            torch._dynamo.mark_dynamic(tensor, 0)
-        with _size_oblivious_tracing():
-            return self._compiled_forward(*args)
+        return call_compiled(self._compiled_forward, *args)
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
         _, merged, deepstack = tower_forward(
