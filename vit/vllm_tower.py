@@ -183,9 +183,6 @@ class QvlTowerForward:
         self.strategy = strategy
         self.all_reduce = all_reduce
         self.vllm_forward = type(visual).forward.__get__(visual)
-        attn = visual.blocks[0].attn
-        self.num_heads = attn.num_attention_heads_per_partition
-        self.rope_theta = float(visual.rotary_pos_emb.base)
         self.compiled = torch.compile(self._device_forward, fullgraph=True, dynamic=True) if compiled else None
 
     def __call__(self, x: torch.Tensor, grid_thw, *, encoder_metadata=None) -> torch.Tensor:
@@ -218,17 +215,21 @@ class QvlTowerForward:
         return call_compiled(self.compiled, *args)
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
+        # The tower's sizes are read from vLLM's modules, not from this plain object: torch.compile with
+        # dynamic=True turns a plain object's int attributes into symbolic ints (and then took
+        # ``index in deepstack_visual_indexes`` for False), while a module's stay constants.
+        visual = self.visual
         _, merged, deepstack = tower_forward(
-            self.visual,
+            visual,
             pixel_values,
             cu_seqlens,
             positions,
             interp_indices,
             interp_weights,
-            num_heads=self.num_heads,
-            rope_theta=self.rope_theta,
-            deepstack_visual_indexes=self.config.deepstack_visual_indexes,
-            spatial_merge_size=self.config.spatial_merge_size,
+            num_heads=visual.blocks[0].attn.num_attention_heads_per_partition,
+            rope_theta=visual.rotary_pos_emb.base,
+            deepstack_visual_indexes=visual.deepstack_visual_indexes,
+            spatial_merge_size=visual.spatial_merge_size,
             all_reduce=self.all_reduce,
             linear=self._linear_parts,
         )

@@ -1,0 +1,128 @@
+"""qvl's out-of-tree MMEncoderAttention (qvl.vit.vllm_attention), in process, against vLLM's own layer (its
+SDPA path, the CPU backend) and a float64 run of that layer; its fallbacks; its compiled form."""
+
+import contextlib
+
+import pytest
+import torch
+from inprocess import vllm_world
+from tolerance import assert_error_within, online_softmax_ulps
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+from qvl.kernels.attention import launch_config
+from qvl.kernels.common import device_target, force_backend
+from qvl.vit import vllm_routes
+from qvl.vit.vllm_attention import QvlEncoderAttention
+
+# Segment lengths with an empty one, one of a single token and one over a 64-key block.
+LENGTHS = [5, 0, 1, 70, 20]
+
+
+def layers(num_heads, head_size, dtype, num_kv_heads=None):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with set_current_vllm_config(vllm_world()):
+            args = dict(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5, num_kv_heads=num_kv_heads)
+            return QvlEncoderAttention(**args), MMEncoderAttention(**args)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def vllm_qkv(num_tokens, num_heads, head_size, dtype, batch=1, seed=0):
+    """q, k, v as vLLM's Qwen2.5-VL/Qwen3-VL attention hands them over: views of one packed
+    ``(batch, seq, 3, heads, head_size)`` projection (v is not contiguous)."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, num_tokens, 3, num_heads, head_size, generator=generator).to(dtype)
+    return qkv.unbind(2)
+
+
+def cu_seqlens_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def ulps_for(q, k, cu_seqlens, scale):
+    """The online softmax's own roundings (tolerance.online_softmax_ulps) for the kernel's key block."""
+    block_n = launch_config(q.shape[-1], q.dtype, device_target(q.device))["BLOCK_N"]
+    logits = torch.einsum("bshd,bthd->bhst", q.double(), k.double()).abs().max().item() * scale
+    return online_softmax_ulps(cu_seqlens, block_n, logits)
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size", [(torch.float32, 72), (torch.float16, 80), (torch.bfloat16, 72), (torch.float32, 16)]
+)
+def test_matches_vllm_and_float64(dtype, head_size):
+    """fp32 and fp16 run the Triton kernel through the interpreter, bf16 the torch path (the interpreter's
+    dots cannot take bf16 operands)."""
+    qvl_layer, vllm_layer = layers(2, head_size, dtype)
+    assert qvl_layer.qvl_fallback_reason is None
+    q, k, v = vllm_qkv(sum(LENGTHS), 2, head_size, dtype)
+    cu_seqlens = cu_seqlens_of(LENGTHS)
+    truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
+    baseline = vllm_layer(q, k, v, cu_seqlens=cu_seqlens)
+    before = vllm_routes.route_counts()["attention"]
+    context = force_backend("torch") if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with context:
+        out = qvl_layer(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=torch.tensor(70))
+    assert vllm_routes.route_counts()["attention"] == before + 1
+    assert out.shape == q.shape and out.dtype == dtype
+    ulps = ulps_for(q, k, cu_seqlens, head_size**-0.5)
+    assert_error_within(out, truth, baseline, ulps=ulps, what=f"{dtype} D={head_size}")
+
+
+def test_batched_hidden_layout_without_cu_seqlens():
+    """``(batch, seq, heads * head_size)`` inputs without cu_seqlens (SigLIP-style towers): each sequence
+    attends over itself, one varlen call for the whole batch."""
+    qvl_layer, vllm_layer = layers(2, 64, torch.float32)
+    q, k, v = (t.flatten(2).contiguous() for t in vllm_qkv(24, 2, 64, torch.float32, batch=3, seed=1))
+    out = qvl_layer(q, k, v)
+    truth = vllm_layer(q.double(), k.double(), v.double())
+    assert out.shape == q.shape
+    four_d = [t.view(3, 24, 2, 64) for t in (q, k, v)]
+    ulps = ulps_for(*four_d[:2], torch.tensor([0, 24]), 64**-0.5)
+    assert_error_within(out, truth, vllm_layer(q, k, v), ulps=ulps, what="batched")
+
+
+@pytest.mark.parametrize(
+    "num_heads,head_size,num_kv_heads,reason",
+    [(4, 64, 2, "fewer heads"), (2, 288, None, "head size 288")],
+)
+def test_layers_qvl_does_not_cover_run_vllm_forward(num_heads, head_size, num_kv_heads, reason):
+    qvl_layer, vllm_layer = layers(num_heads, head_size, torch.float32, num_kv_heads)
+    assert reason in qvl_layer.qvl_fallback_reason
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 12, num_heads, head_size, generator=generator)
+    k, v = (torch.randn(1, 12, num_kv_heads or num_heads, head_size, generator=generator) for _ in range(2))
+    cu_seqlens = cu_seqlens_of([5, 7])
+    before = vllm_routes.route_counts()
+    out = qvl_layer(q, k, v, cu_seqlens=cu_seqlens)
+    assert torch.equal(out, vllm_layer(q, k, v, cu_seqlens=cu_seqlens))
+    after = vllm_routes.route_counts()
+    assert (after["attention_fallback"], after["attention"]) == (before["attention_fallback"] + 1, before["attention"])
+
+
+def test_cross_attention_call_runs_vllm_forward():
+    qvl_layer, vllm_layer = layers(2, 64, torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 2, 64, generator=generator)
+    k, v = (torch.randn(2, 9, 2, 64, generator=generator) for _ in range(2))
+    assert torch.equal(qvl_layer(q, k, v), vllm_layer(q, k, v))
+
+
+def test_compiles_whole_without_recompiles():
+    """vLLM compiles encoder blocks with the token dim dynamic (``compile_mm_encoder``): the layer traces into
+    one graph (the op is opaque, with a fake implementation) and serves other lengths without recompiling."""
+    qvl_layer, vllm_layer = layers(2, 72, torch.float32)
+    compiled = torch.compile(qvl_layer, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for index, lengths in enumerate([LENGTHS, [9, 30], [3]]):
+        q, k, v = vllm_qkv(sum(lengths), 2, 72, torch.float32, seed=index)
+        cu_seqlens = cu_seqlens_of(lengths)
+        for tensor in (q, k, v, cu_seqlens):
+            torch._dynamo.mark_dynamic(tensor, tensor.dim() - 1 if tensor is cu_seqlens else 1)
+        stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+        with stance, force_backend("torch"):
+            out = compiled(q, k, v, cu_seqlens=cu_seqlens)
+        truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
+        assert_error_within(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), what=f"compiled {lengths}")

@@ -1,0 +1,102 @@
+"""qvl's tower route over vLLM's own Qwen3-VL tower (qvl.vit.vllm_tower), in process, against vLLM's forward
+and a float64 transformers truth; what it refuses; its compiled forward."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from inprocess import model_config_of, vllm_tower_of
+from tolerance import assert_error_within
+from towers import float64_vision_outputs, hf_vision_model, pixel_values_for
+
+from qvl.kernels.common import force_backend
+from qvl.vit import vllm_routes, vllm_tower
+
+# Two images (one of a single merged token) and a two-frame video.
+GRID = [[1, 4, 6], [1, 2, 2], [2, 4, 4]]
+
+
+def attached(hf_model, dtype, **config):
+    visual = vllm_tower_of(hf_model, dtype)
+    model = SimpleNamespace(visual=visual, use_data_parallel=False)
+    vllm_forward = visual.forward
+    vllm_tower.attach(model, model_config_of(hf_model.config, **config))
+    assert isinstance(visual.forward, vllm_tower.QvlTowerForward)
+    return visual, vllm_forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_vllm_and_float64(dtype):
+    """fp32 runs the Triton kernels through the interpreter; bf16 the torch path (the interpreter's dots
+    cannot take bf16 operands)."""
+    hf_model = hf_vision_model(seed=3)
+    pixel_values = pixel_values_for(GRID, seed=4)
+    truth = torch.cat(float64_vision_outputs(hf_model, pixel_values, GRID), dim=1)
+    visual, vllm_forward = attached(hf_model, dtype)
+    with torch.no_grad():
+        baseline = vllm_forward(pixel_values.to(dtype), grid_thw=GRID)
+        before = vllm_routes.route_counts()["tower"]
+        if dtype == torch.bfloat16:
+            with force_backend("torch"):
+                out = visual(pixel_values.to(dtype), grid_thw=torch.tensor(GRID))
+        else:
+            out = visual(pixel_values.to(dtype), grid_thw=torch.tensor(GRID))
+    assert vllm_routes.route_counts()["tower"] == before + 1
+    assert out.dtype == baseline.dtype == dtype
+    assert_error_within(out, truth, baseline, what=f"vLLM tower on qvl, {dtype}")
+
+
+def test_empty_batch():
+    visual, _ = attached(hf_vision_model(seed=1), torch.float32)
+    out = visual(torch.empty(0, 3 * 2 * 16 * 16), grid_thw=[])
+    assert out.shape == (0, visual.out_hidden_size)
+
+
+def test_encoder_metadata_calls_keep_vllm_forward():
+    """vLLM's encoder CUDA-graph path brings metadata it built itself: those calls run vLLM's forward."""
+    hf_model = hf_vision_model(seed=2)
+    visual, vllm_forward = attached(hf_model, torch.float32)
+    pixel_values = pixel_values_for(GRID[:1], seed=5)
+    metadata = visual.prepare_encoder_metadata(GRID[:1])
+    before = vllm_routes.route_counts()
+    with torch.no_grad():
+        out = visual(pixel_values, GRID[:1], encoder_metadata=metadata)
+        expected = vllm_forward(pixel_values, GRID[:1])
+    assert torch.equal(out, expected)
+    after = vllm_routes.route_counts()
+    assert (after["tower_fallback"], after["tower"]) == (before["tower_fallback"] + 1, before["tower"])
+
+
+def test_mismatches_leave_vllm_tower():
+    hf_model = hf_vision_model(seed=1)
+    visual = vllm_tower_of(hf_model, torch.float32)
+    config = model_config_of(hf_model.config)
+    assert vllm_tower.tower_mismatch(visual, config) is None
+    quantized = model_config_of(hf_model.config, quant_config=SimpleNamespace(get_name=lambda: "fp8"))
+    assert "quantized" in vllm_tower.tower_mismatch(visual, quantized)
+    assert "not vLLM's Qwen3_VisionTransformer" in vllm_tower.tower_mismatch(torch.nn.Linear(2, 2), config)
+    other_act = model_config_of(SimpleNamespace(**{**vars(hf_model.config), "hidden_act": "silu"}))
+    assert "hidden_act" in vllm_tower.tower_mismatch(visual, other_act)
+    visual.blocks[1].norm2 = torch.nn.RMSNorm(visual.hidden_size)
+    assert "LayerNorm" in vllm_tower.tower_mismatch(visual, config)
+    model = SimpleNamespace(visual=visual, use_data_parallel=False)
+    vllm_tower.attach(model, config)
+    assert "forward" not in vars(visual), "a mismatched tower must keep vLLM's forward"
+
+
+def test_compiled_forward_does_not_recompile_across_batches():
+    """With vLLM's ``compile_mm_encoder`` on, the device part compiles once (fullgraph, token dim dynamic),
+    through vLLM's packed CPU linears, and serves images and videos of other sizes without recompiling."""
+    hf_model = hf_vision_model(seed=6)
+    visual, vllm_forward = attached(hf_model, torch.float32, compile_mm_encoder=True)
+    batches = [GRID, [[1, 6, 4]], [[3, 2, 4], [1, 4, 4]]]
+    torch._dynamo.reset()
+    with torch.no_grad(), force_backend("torch"):
+        for index, grid in enumerate(batches):
+            pixel_values = pixel_values_for(grid, seed=index)
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                out = visual(pixel_values, grid_thw=grid)
+            truth = torch.cat(float64_vision_outputs(hf_model, pixel_values, grid), dim=1)
+            assert_error_within(out, truth, vllm_forward(pixel_values, grid_thw=grid), what=f"compiled, batch {index}")
