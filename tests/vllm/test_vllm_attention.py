@@ -5,15 +5,15 @@ import contextlib
 
 import pytest
 import torch
-from inprocess import vllm_world
-from tolerance import assert_error_within, online_softmax_ulps
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
+from inprocess import vllm_world
 from qvl.kernels.attention import launch_config
 from qvl.kernels.common import device_target, force_backend
 from qvl.vit import vllm_routes
 from qvl.vit.vllm_attention import QvlEncoderAttention
+from tolerance import assert_error_within, online_softmax_ulps
 
 # Segment lengths with an empty one, one of a single token and one over a 64-key block.
 LENGTHS = [5, 0, 1, 70, 20]

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from inprocess import model_config_of, vllm_tower_of
-from tolerance import assert_error_within
-from towers import float64_vision_outputs, hf_vision_model, pixel_values_for
 
+from inprocess import model_config_of, vllm_tower_of
 from qvl.kernels.common import force_backend
 from qvl.vit import vllm_routes, vllm_tower
+from tolerance import assert_error_within
+from towers import float64_vision_outputs, hf_vision_model, pixel_values_for
 
 # Two images (one of a single merged token) and a two-frame video.
 GRID = [[1, 4, 6], [1, 2, 2], [2, 4, 4]]
