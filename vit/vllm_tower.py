@@ -40,7 +40,7 @@ from .layers import Product
 from .metadata import build_metadata
 from .model import call_compiled, tower_forward
 from .parallel import DataParallel, SingleProcess
-from .vllm_routes import count
+from .vllm_routes import count, record_tower
 
 __all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "install", "tower_mismatch"]
 
@@ -166,6 +166,10 @@ def attach(model: nn.Module, vllm_config) -> None:
     all_reduce = tensor_model_parallel_all_reduce if world_size > 1 and not data_mode else None
     compiled = bool(vllm_config.compilation_config.compile_mm_encoder)
     visual.forward = QvlTowerForward(visual, config, strategy, all_reduce, compiled=compiled)
+    split = None if world_size == 1 else ("data" if data_mode else "weights")
+    record_tower({"model": type(model).__name__, "split": split, "compiled": compiled})
+    how = {None: "one rank", "weights": "weights split over ranks", "data": "qvl's balancer over ranks"}[split]
+    logger.info_once(f"qvl: {type(model).__name__}'s vision tower runs on qvl ({how}{', compiled' * compiled})")
 
 
 class QvlTowerForward:

@@ -1,0 +1,33 @@
+"""Fixtures of the vLLM tests, which run in .venv-vllm (``bash install.sh vllm``; tests/conftest.py skips this
+folder where vllm is not installed): tiny checkpoints, built once per session, and ``run_engine``
+(tests/vllm/engine.py), which serves one in vLLM's CPU build in a subprocess.
+
+pytest puts this folder on sys.path, so tests import its modules by bare name:
+``from engine import run_engine``, ``from checkpoints import make_qwen3_vl``.
+"""
+
+import os
+import runpy
+
+import pytest
+
+# Building a checkpoint imports transformers' model classes, and in .venv-vllm transformers then imports
+# the broken torchvision (see sitecustomize.py): this process needs the shim as well, unless pytest was
+# started with tests/vllm on PYTHONPATH, which already ran it. run_path, not import: another sitecustomize
+# may own that module name here.
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py"))
+
+from checkpoints import make_qwen2_5_vl, make_qwen3_vl  # noqa: E402
+from engine import run_engine  # noqa: E402,F401  (here too for tests that look for it in conftest)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3-VL checkpoint directory (tests/vllm/checkpoints.py)."""
+    return make_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2.5-VL checkpoint directory (tests/vllm/checkpoints.py)."""
+    return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))

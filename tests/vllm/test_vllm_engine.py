@@ -1,0 +1,113 @@
+"""qvl inside vLLM's engine: greedy tokens with qvl's plugin equal vLLM's own, and qvl really ran.
+
+Each engine start costs 15 s (in one process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to 45 s (two ranks) on 2
+cores, so the runs are few, each serves one image, two images and a video in one batch (tests/vllm/engine.py),
+and each is made once per session and shared by the tests that read it. Which run does what:
+
+* vLLM alone: ``VLLM_PLUGINS=""`` (vLLM's allow-list names no plugin), and ``QVL_VLLM=0`` (qvl's own switch)
+  with the plugin loaded: both must leave qvl out of the engine.
+* qvl's default (both routes): fp32 through Triton's interpreter (the real kernels inside vLLM), bf16 on
+  the torch path in vLLM's own multi-process layout (the plugin loads in spawned processes), and two ranks
+  in vLLM's ``mm_encoder_tp_mode="weights"`` and ``"data"``.
+* ``QVL_VLLM=attention`` on Qwen3-VL, and Qwen2.5-VL (whose tower qvl does not take): the attention route.
+"""
+
+import functools
+
+import pytest
+
+from engine import run_engine
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+INTERPRETER = {"TRITON_INTERPRET": "1"}
+TORCH_PATH = {"TRITON_INTERPRET": "0"}
+QVL = {"VLLM_PLUGINS": "qvl", "QVL_VLLM": "all"}
+
+# name -> (checkpoint fixture, dtype, tensor parallel size, mm_encoder_tp_mode, environment)
+RUNS = {
+    "qwen3/fp32/vllm": ("qwen3_vl_dir", "float32", 1, None, {"VLLM_PLUGINS": "", **IN_PROCESS, **TORCH_PATH}),
+    "qwen3/fp32/qvl": ("qwen3_vl_dir", "float32", 1, None, {**QVL, **IN_PROCESS, **INTERPRETER}),
+    "qwen3/fp32/qvl-attention": (
+        "qwen3_vl_dir", "float32", 1, None, {**QVL, "QVL_VLLM": "attention", **IN_PROCESS, **INTERPRETER},
+    ),
+    "qwen3/bf16/vllm": ("qwen3_vl_dir", "bfloat16", 1, None, {**QVL, "QVL_VLLM": "0", **IN_PROCESS, **TORCH_PATH}),
+    "qwen3/bf16/qvl": ("qwen3_vl_dir", "bfloat16", 1, None, {**QVL, **TORCH_PATH}),
+    "qwen3/fp32/qvl-tp2-weights": ("qwen3_vl_dir", "float32", 2, "weights", {**QVL, **TORCH_PATH}),
+    "qwen3/fp32/qvl-tp2-data": ("qwen3_vl_dir", "float32", 2, "data", {**QVL, **TORCH_PATH}),
+    "qwen2_5/fp32/vllm": ("qwen2_5_vl_dir", "float32", 1, None, {"VLLM_PLUGINS": "", **IN_PROCESS, **TORCH_PATH}),
+    "qwen2_5/fp32/qvl": ("qwen2_5_vl_dir", "float32", 1, None, {**QVL, **IN_PROCESS, **INTERPRETER}),
+}  # fmt: skip
+
+
+@functools.cache
+def _run(name: str, model_dir: str) -> dict:
+    _, dtype, tp, mode, env = RUNS[name]
+    return run_engine(model_dir, dtype=dtype, tp=tp, mode=mode, env=env)
+
+
+@pytest.fixture
+def engine(request):
+    """``engine(name)``: the result of run ``name`` of :data:`RUNS` (made on first use, then shared)."""
+    return lambda name: _run(name, request.getfixturevalue(RUNS[name][0]))
+
+
+def counts(result: dict) -> list[dict]:
+    """Each worker's qvl route counts (every worker must have loaded the plugin)."""
+    infos = [worker["qvl"] for worker in result["worker_info"]]
+    assert all(info is not None for info in infos), f"qvl's plugin did not load in every worker: {infos}"
+    return [info["counts"] for info in infos]
+
+
+def assert_same_tokens(result: dict, expected: dict, what: str) -> None:
+    for request, (got, want) in enumerate(zip(result["tokens"], expected["tokens"], strict=True)):
+        assert got == want, f"{what}, request {request} (image, two images, video): {got} != {want}"
+
+
+def test_qwen3_vl_fp32_tower_route_through_the_interpreter(engine):
+    baseline, result = engine("qwen3/fp32/vllm"), engine("qwen3/fp32/qvl")
+    assert [worker["qvl"] for worker in baseline["worker_info"]] == [None], "VLLM_PLUGINS='' must not load qvl"
+    assert_same_tokens(result, baseline, "Qwen3-VL fp32, qvl tower")
+    (worker,) = result["worker_info"]
+    assert worker["qvl"]["state"]["tower_architectures"], worker["qvl"]["state"]
+    assert worker["triton_interpret"] == "1"
+    assert worker["qvl"]["counts"]["tower"] > 0 and worker["qvl"]["counts"]["tower_fallback"] == 0
+    assert worker["qvl"]["towers"] == [{"model": "Qwen3VLForConditionalGeneration", "split": None, "compiled": False}]
+
+
+def test_qwen3_vl_attention_route(engine):
+    result = engine("qwen3/fp32/qvl-attention")
+    assert_same_tokens(result, engine("qwen3/fp32/vllm"), "Qwen3-VL fp32, QVL_VLLM=attention")
+    (worker_counts,) = counts(result)
+    assert worker_counts["attention"] > 0 and worker_counts["tower"] == 0, worker_counts
+    assert worker_counts["attention_fallback"] == 0
+
+
+def test_qwen3_vl_bf16_and_the_qvl_switch(engine):
+    baseline, result = engine("qwen3/bf16/vllm"), engine("qwen3/bf16/qvl")
+    (off,) = baseline["worker_info"]
+    assert off["qvl"]["state"]["mode"] == "off" and not off["qvl"]["state"]["attention"]
+    assert set(off["qvl"]["counts"].values()) == {0}, "QVL_VLLM=0 must leave every route to vLLM"
+    assert_same_tokens(result, baseline, "Qwen3-VL bf16, qvl tower (vLLM's multi-process layout)")
+    (worker_counts,) = counts(result)
+    assert worker_counts["tower"] > 0
+
+
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_qwen3_vl_two_ranks(engine, mode):
+    """Two ranks (gloo, one core each) in vLLM's encoder modes: the same tokens as one rank, with every
+    rank's tower on qvl (data mode: qvl's balancer over vLLM's group)."""
+    result = engine(f"qwen3/fp32/qvl-tp2-{mode}")
+    assert_same_tokens(result, engine("qwen3/fp32/vllm"), f"Qwen3-VL, two ranks, mm_encoder_tp_mode={mode}")
+    worker_counts = counts(result)
+    assert len(worker_counts) == 2 and all(c["tower"] > 0 for c in worker_counts), worker_counts
+    for worker in result["worker_info"]:
+        assert [tower["split"] for tower in worker["qvl"]["towers"]] == [mode], worker["qvl"]["towers"]
+
+
+def test_qwen2_5_vl_attention_route(engine):
+    """Qwen2.5-VL's window attention and full-attention blocks both call MMEncoderAttention with cu_seqlens."""
+    baseline, result = engine("qwen2_5/fp32/vllm"), engine("qwen2_5/fp32/qvl")
+    assert_same_tokens(result, baseline, "Qwen2.5-VL fp32, qvl attention")
+    (worker_counts,) = counts(result)
+    assert worker_counts["attention"] > 0 and worker_counts["attention_fallback"] == 0, worker_counts
+    assert worker_counts["tower"] == 0
