@@ -125,6 +125,10 @@ def tower_forward(
     h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
     deepstack = []
     linear = linear or _weight_and_bias
+    # int(): under torch.compile(dynamic=True) ints read from a plain object (a config) may arrive symbolic,
+    # and Dynamo then took ``index in (symbolic ints)`` for False and dropped the deepstack features; int()
+    # makes it specialize them (one guard) instead.
+    deepstack_mergers = {int(layer): n for n, layer in enumerate(deepstack_visual_indexes)}
     for index, block in enumerate(blocks):
         attn = block.attn
         qkv = row_parallel_linear(h, *linear(attn.qkv), None)
@@ -141,8 +145,8 @@ def tower_forward(
             x = x + m
         if hidden_states_out is not None:
             hidden_states_out.append(x)
-        if index in deepstack_visual_indexes:
-            merger = tower.deepstack_merger_list[list(deepstack_visual_indexes).index(index)]
+        if index in deepstack_mergers:
+            merger = tower.deepstack_merger_list[deepstack_mergers[index]]
             deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce, linear))
     merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce, linear)
     return x, merged, deepstack

@@ -219,9 +219,8 @@ class QvlTowerForward:
         return call_compiled(self.compiled, *args)
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
-        # The tower's sizes are read from vLLM's modules, not from this plain object: torch.compile with
-        # dynamic=True turns a plain object's int attributes into symbolic ints (and then took
-        # ``index in deepstack_visual_indexes`` for False), while a module's stay constants.
+        # The tower's sizes are read from vLLM's modules, whose int attributes torch.compile keeps as
+        # constants (with dynamic=True, a plain object's become symbolic ints and cost guards).
         visual = self.visual
         _, merged, deepstack = tower_forward(
             visual,

@@ -113,6 +113,19 @@ def test_vision_model_outputs_unchanged():
     assert_error_within(vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]")
 
 
+def test_compiled_patched_model_keeps_deepstack_features():
+    """``torch.compile(model, dynamic=True)`` over a patched tower: Dynamo then made the ints of qvl's config
+    symbolic, and an ``in`` test over them had dropped every deepstack feature without an error."""
+    hf = hf_vision_model(seed=1, **TINY_VISION)
+    pixels, grid = pixel_values_for(GRID), torch.tensor(GRID)
+    truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)))
+    with torch.no_grad(), force_backend("torch"):
+        expected = hf(pixels, grid_thw=grid)
+        got = torch.compile(patch_model(hf), dynamic=True)(pixels, grid_thw=grid)
+    assert len(got.deepstack_features) == len(TINY_VISION["deepstack_visual_indexes"])
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="compiled [last, merged, *deepstack]")
+
+
 def image_inputs(grid, seed):
     input_ids = prompt_for(grid)
     return dict(
