@@ -92,17 +92,18 @@ def hf_vision_model_of(tower) -> Qwen3VLVisionModel:
 
 
 @contextlib.contextmanager
-def rotary_in_float64():
+def rotary_in_float64(modeling=modeling_qwen3_vl, rotary_class: str = "Qwen3VLVisionRotaryEmbedding"):
     """Inside the block a float64 transformers vision model also rotates q and k in float64.
 
     transformers computes the vision rotary in fp32 whatever the model's dtype (``.float()`` casts in
     ``Qwen3VLVisionRotaryEmbedding.forward`` and ``apply_rotary_pos_emb_vision``), which would leave a
     float64 run only fp32-accurate there. The inverse frequencies ``rope_theta ** (-i / n)`` are computed
     in float64 too: they are not weights but a rounding of each implementation (like ``float64_rotary`` in
-    tests/conftest.py). Other dtypes run transformers' code.
+    tests/conftest.py). Other dtypes run transformers' code. ``modeling`` and ``rotary_class``: another model's
+    module whose vision rotary is written the same way (Qwen3.5's).
     """
-    rotary_forward = modeling_qwen3_vl.Qwen3VLVisionRotaryEmbedding.forward
-    apply_rotary = modeling_qwen3_vl.apply_rotary_pos_emb_vision
+    rotary_forward = getattr(modeling, rotary_class).forward
+    apply_rotary = modeling.apply_rotary_pos_emb_vision
 
     def forward(self, x, position_ids):
         if x.dtype != torch.float64:
@@ -117,12 +118,12 @@ def rotary_in_float64():
         if q.dtype != torch.float64:
             return apply_rotary(q, k, cos, sin)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        rotate_half = modeling_qwen3_vl.rotate_half
+        rotate_half = modeling.rotate_half
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     with (
-        mock.patch.object(modeling_qwen3_vl.Qwen3VLVisionRotaryEmbedding, "forward", forward),
-        mock.patch.object(modeling_qwen3_vl, "apply_rotary_pos_emb_vision", apply),
+        mock.patch.object(getattr(modeling, rotary_class), "forward", forward),
+        mock.patch.object(modeling, "apply_rotary_pos_emb_vision", apply),
     ):
         yield
 

@@ -11,7 +11,15 @@ from inprocess import model_config_of, vllm_tower_of
 from qvl.kernels.common import force_backend
 from qvl.vit import vllm_routes, vllm_tower
 from tolerance import assert_error_within
-from towers import float64_vision_outputs, hf_vision_model, pixel_values_for
+from towers import (
+    VISION_KWARGS,
+    float64_copy,
+    float64_vision_outputs,
+    hf_vision_model,
+    pixel_values_for,
+    randomize,
+    rotary_in_float64,
+)
 
 # Two images (one of a single merged token) and a two-frame video.
 GRID = [[1, 4, 6], [1, 2, 2], [2, 4, 4]]
@@ -100,3 +108,38 @@ def test_compiled_forward_does_not_recompile_across_batches():
                 out = visual(pixel_values, grid_thw=grid)
             truth = torch.cat(float64_vision_outputs(hf_model, pixel_values, grid), dim=1)
             assert_error_within(out, truth, vllm_forward(pixel_values, grid_thw=grid), what=f"compiled, batch {index}")
+
+
+def test_qwen3_5_tower_without_deepstack():
+    """Qwen3.5's tower is vLLM's Qwen3_VisionTransformer without deepstack mergers: the route returns the main
+    merger's features alone, as vLLM does, against transformers' Qwen3.5 vision model in float64."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+
+    fields = {k: v for k, v in VISION_KWARGS.items() if k != "deepstack_visual_indexes"}
+    config = Qwen3_5VisionConfig(**fields)
+    config._attn_implementation = "sdpa"
+    hf_model = randomize(modeling_qwen3_5.Qwen3_5VisionModel(config), seed=7).eval()
+    pixel_values = pixel_values_for(GRID, seed=8)
+    with torch.no_grad(), rotary_in_float64(modeling_qwen3_5, "Qwen3_5VisionRotaryEmbedding"):
+        truth = float64_copy(hf_model)(pixel_values.double(), grid_thw=torch.tensor(GRID)).pooler_output
+    visual, vllm_forward = attached(hf_model, torch.float32)
+    assert visual.forward.config.deepstack_visual_indexes == ()
+    with torch.no_grad():
+        baseline = vllm_forward(pixel_values, grid_thw=GRID)
+        out = visual(pixel_values, grid_thw=GRID)
+    assert_error_within(out, truth, baseline, what="Qwen3.5 tower on qvl")
+
+
+def test_model_classes_are_vllm_subclasses():
+    """What vLLM imports for each registered architecture: its own model class, plus the tower hook."""
+    import importlib
+
+    for architecture, module in vllm_tower.ARCHITECTURES.items():
+        model_class = getattr(vllm_tower, architecture)
+        base = getattr(importlib.import_module(module), architecture)
+        assert issubclass(model_class, base) and model_class is not base
+        assert model_class.__name__ == architecture and model_class.__module__ == vllm_tower.__name__
+        assert getattr(vllm_tower, architecture) is model_class  # built once
+    with pytest.raises(AttributeError):
+        vllm_tower.Qwen2_5_VLForConditionalGeneration
