@@ -26,13 +26,13 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
+from qvl.kernels.common import FLOAT_DTYPES
 
 from .vllm_routes import count
 
 __all__ = ["QvlEncoderAttention", "install"]
 
 logger = init_logger("vllm.qvl")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _layer_mismatch(layer: MMEncoderAttention) -> str | None:
@@ -44,7 +44,7 @@ def _layer_mismatch(layer: MMEncoderAttention) -> str | None:
         return f"k/v with fewer heads ({layer.num_kv_heads}) than q ({layer.num_heads})"
     if layer.head_size > MAX_HEAD_DIM:
         return f"head size {layer.head_size} > {MAX_HEAD_DIM}"
-    if layer.dtype not in _DTYPES:
+    if layer.dtype not in FLOAT_DTYPES:
         return f"dtype {layer.dtype}"
     if layer.attn_backend == AttentionBackendEnum.FLASHINFER:
         return "vLLM's FlashInfer ViT backend (its cu_seqlens are not token offsets)"
