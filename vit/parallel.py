@@ -165,12 +165,18 @@ class SingleProcess:
 class _Distributed(SingleProcess):
     """What both modes share: the group, and the check that every rank passes the same batch."""
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
+    def __init__(self, config: VisionConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
         super().__init__(config)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.exchanges_on_host = has_cpu_backend(group)
+        # The batch check's exchange: on the host over host_group (the same ranks in the same order, with a CPU
+        # backend: what engines keep beside an NCCL group, e.g. vLLM's cpu_group), or over group itself when it
+        # has a CPU backend; else on the device.
+        if host_group is None and has_cpu_backend(group):
+            host_group = group
+        self.host_group = host_group
+        self.exchanges_on_host = host_group is not None
 
     def agree_on_batch(self, pixel_values, grid_thw, device: torch.device) -> np.ndarray:
         """``grid_thw`` as a checked ``(N, 3)`` int64 array, once every rank has shown it holds the same
@@ -190,7 +196,7 @@ class _Distributed(SingleProcess):
         except (TypeError, ValueError) as error:
             problem, fingerprint = error, [0, 0, 0, 0]
         local = torch.tensor(fingerprint, dtype=torch.int64, device="cpu" if self.exchanges_on_host else device)
-        everyone = _all_gather(local, 0, self.group).view(self.world_size, -1).tolist()
+        everyone = _all_gather(local, 0, self.host_group or self.group).view(self.world_size, -1).tolist()
         if problem is not None:
             raise problem
         invalid = [rank for rank, seen in enumerate(everyone) if not seen[0]]
@@ -285,8 +291,8 @@ class DataParallel(_Distributed):
 
     mode = "data"
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
-        super().__init__(config, group)
+    def __init__(self, config: VisionConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
+        super().__init__(config, group, host_group)
         self.cost = SegmentCost.from_config(config)
 
     def run(self, pixel_values, grid_thw, encode, device):

@@ -158,7 +158,10 @@ def attach(model: nn.Module, vllm_config) -> None:
     world_size = get_tensor_model_parallel_world_size()
     data_mode = bool(getattr(model, "use_data_parallel", False))
     if data_mode and world_size > 1:
-        strategy = DataParallel(config, get_tp_group().device_group)
+        group = get_tp_group()
+        # Features travel over the device group; the per-call batch check over vLLM's gloo twin of it, so on
+        # GPUs it never waits for the device.
+        strategy = DataParallel(config, group.device_group, host_group=group.cpu_group)
         # The model then hands the whole batch to the tower, whose strategy splits it.
         model.use_data_parallel = False
     else:
