@@ -148,31 +148,41 @@ def tower_mismatch(visual: nn.Module | None, vllm_config) -> str | None:
 
 
 def attach(model: nn.Module, vllm_config) -> None:
-    """Run ``model.visual`` on qvl when :func:`tower_mismatch` finds nothing, else leave it (one log line)."""
+    """Run ``model.visual`` on qvl when :func:`tower_mismatch` finds nothing, else leave it (one log line).
+    Nothing of the model changes until everything qvl needs is in hand, so a failure leaves vLLM's tower."""
     visual = getattr(model, "visual", None)
-    reason = tower_mismatch(visual, vllm_config)
+    try:
+        reason = tower_mismatch(visual, vllm_config)
+        if reason is None:
+            forward, split, compiled = _qvl_forward(model, visual, vllm_config)
+    except Exception as error:  # a vLLM that differs from what qvl expects must still serve
+        reason = f"{type(error).__name__}: {error}"
     if reason is not None:
         logger.info_once(f"qvl: vLLM's own vision tower runs: {reason}")
         return
+    visual.forward = forward
+    if split == "data":
+        # The model then hands the whole batch to the tower, whose strategy splits it.
+        model.use_data_parallel = False
+    record_tower({"model": type(model).__name__, "split": split, "compiled": compiled})
+    how = {None: "one rank", "weights": "weights split over ranks", "data": "qvl's balancer over ranks"}[split]
+    logger.info_once(f"qvl: {type(model).__name__}'s vision tower runs on qvl ({how}{', compiled' * compiled})")
+
+
+def _qvl_forward(model: nn.Module, visual: nn.Module, vllm_config):
     config = VisionConfig.from_hf(vllm_config.model_config.hf_config)
     world_size = get_tensor_model_parallel_world_size()
-    data_mode = bool(getattr(model, "use_data_parallel", False))
-    if data_mode and world_size > 1:
+    split = None if world_size == 1 else ("data" if getattr(model, "use_data_parallel", False) else "weights")
+    if split == "data":
         group = get_tp_group()
         # Features travel over the device group; the per-call batch check over vLLM's gloo twin of it, so on
         # GPUs it never waits for the device.
         strategy = DataParallel(config, group.device_group, host_group=group.cpu_group)
-        # The model then hands the whole batch to the tower, whose strategy splits it.
-        model.use_data_parallel = False
     else:
         strategy = SingleProcess(config)
-    all_reduce = tensor_model_parallel_all_reduce if world_size > 1 and not data_mode else None
-    compiled = bool(vllm_config.compilation_config.compile_mm_encoder)
-    visual.forward = QvlTowerForward(visual, config, strategy, all_reduce, compiled=compiled)
-    split = None if world_size == 1 else ("data" if data_mode else "weights")
-    record_tower({"model": type(model).__name__, "split": split, "compiled": compiled})
-    how = {None: "one rank", "weights": "weights split over ranks", "data": "qvl's balancer over ranks"}[split]
-    logger.info_once(f"qvl: {type(model).__name__}'s vision tower runs on qvl ({how}{', compiled' * compiled})")
+    all_reduce = tensor_model_parallel_all_reduce if split == "weights" else None
+    compiled = bool(getattr(vllm_config.compilation_config, "compile_mm_encoder", False))
+    return QvlTowerForward(visual, config, strategy, all_reduce, compiled=compiled), split, compiled
 
 
 class QvlTowerForward:

@@ -93,6 +93,21 @@ def test_mismatches_leave_vllm_tower():
     assert "forward" not in vars(visual), "a mismatched tower must keep vLLM's forward"
 
 
+def test_failure_while_attaching_leaves_vllm_tower(monkeypatch):
+    hf_model = hf_vision_model(seed=1)
+    visual = vllm_tower_of(hf_model, torch.float32)
+    model = SimpleNamespace(visual=visual, use_data_parallel=True)
+
+    def no_group():
+        raise RuntimeError("no tensor-parallel group")
+
+    monkeypatch.setattr(vllm_tower, "get_tensor_model_parallel_world_size", no_group)
+    before = vllm_routes.towers()
+    vllm_tower.attach(model, model_config_of(hf_model.config))
+    assert "forward" not in vars(visual) and model.use_data_parallel
+    assert vllm_routes.towers() == before
+
+
 def test_compiled_forward_does_not_recompile_across_batches():
     """With vLLM's ``compile_mm_encoder`` on, the device part compiles once (fullgraph, token dim dynamic),
     through vLLM's packed CPU linears, and serves images and videos of other sizes without recompiling."""
