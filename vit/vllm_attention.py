@@ -67,7 +67,10 @@ class QvlEncoderAttention(MMEncoderAttention):
         **kwargs,
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, prefix, *args, **kwargs)
-        self.qvl_fallback_reason = _layer_mismatch(self)
+        try:
+            self.qvl_fallback_reason = _layer_mismatch(self)
+        except Exception as error:  # a layer that differs from what qvl expects must still serve, on vLLM's code
+            self.qvl_fallback_reason = f"a layer qvl does not recognise ({type(error).__name__}: {error})"
         if self.qvl_fallback_reason is None:
             logger.info_once("qvl: vLLM's encoder attention runs on torch.ops.qvl.vision_attn")
         else:
