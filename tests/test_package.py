@@ -43,6 +43,19 @@ def test_import_registers_ops_without_compiling_or_touching_a_gpu():
     assert out == "True False"
 
 
+def test_vllm_plugin_is_declared_and_harmless_without_vllm():
+    """The entry point vLLM loads, and what it does where vLLM is absent: its module imports no vLLM, and the
+    hook (called by nothing but vLLM) returns with a note. tests/vllm checks it inside vLLM."""
+    out = run_python(
+        "import sys, importlib.metadata as md;"
+        "ep, = [e for e in md.entry_points(group='vllm.general_plugins') if e.name == 'qvl'];"
+        "from qvl.vit import vllm_plugin; has_vllm = 'vllm' in sys.modules;"
+        "ep.load()(); state = vllm_plugin.state();"
+        "print(ep.value, has_vllm, state['attention'], 'vLLM is not importable' in state['reason'])"
+    )
+    assert out == "qvl.vit.vllm_plugin:register False False True"
+
+
 def module_imports() -> dict[str, set[str]]:
     """For each module of qvl (``qvl.kernels.*``, ``qvl.vit.*``) and bench, the modules it imports, read from
     the source (any depth: function-level imports count too), with relative imports resolved."""
