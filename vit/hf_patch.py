@@ -10,6 +10,7 @@ with an :class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 
@@ -31,8 +32,12 @@ __all__ = [
     "unpatch_model",
 ]
 
-_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-_VISION_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+# Models whose vision tower is Qwen3-VL's (Qwen3.5's has no deepstack mergers, Qwen3-Omni's names its mergers
+# ln_q / mlp: qvl.vit.model.merger_parts); Qwen3-Omni's full model holds it under .thinker.visual.
+_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker")
+_VISION_MODEL_TYPES = (
+    "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder",
+)  # fmt: skip
 # The config.model_type of the models patch_model takes (whatever their class: subclasses are welcome).
 SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
@@ -61,11 +66,13 @@ def _vision_module(model: nn.Module, caller: str) -> nn.Module:
         visual = getattr(module, "visual", None)
         if model_type in _FULL_MODEL_TYPES and _model_type(visual) in _VISION_MODEL_TYPES:
             return visual
-        module = getattr(module, "model", None)
+        inner = getattr(module, "model", None)
+        module = getattr(module, "thinker", None) if inner is None else inner
     raise TypeError(
         f"{caller}: unsupported model {type(model).__name__}; supported: a transformers Qwen3-VL model, recognised by"
-        f" its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: Qwen3VLForConditionalGeneration,"
-        " Qwen3VLModel, Qwen3VLVisionModel, their MoE variants and subclasses), or a module whose .model is one"
+        f" its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: Qwen3-VL, Qwen3.5, their MoE"
+        " variants and Qwen3-Omni-MoE, full, inner or vision models and subclasses), or a module whose .model"
+        " (or .thinker) is one"
     )
 
 
@@ -118,6 +125,14 @@ class _PatchedForward:
         self.replaced_extra_repr = replaced_extra_repr
         self.config = config
         self.data_parallel = data_parallel
+        # What transformers' forward returns: its modeling module's output class with deepstack features
+        # (Qwen3-VL, Qwen3-Omni), or plain pooling output (Qwen3.5).
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        modeling = sys.modules[type(visual).__module__]
+        deepstack_class = getattr(modeling, "BaseModelOutputWithDeepstackFeatures", None)
+        has_deepstack = bool(config.deepstack_visual_indexes) and deepstack_class is not None
+        self.output_class = deepstack_class if has_deepstack else BaseModelOutputWithPooling
 
     def original_forward(self):
         """The forward the patch replaced, bound to the module."""
@@ -164,8 +179,6 @@ class _PatchedForward:
         ``grid_thw`` is read on the host once (transformers' own forward reads it too); precomputed metadata
         keyword arguments from transformers are ignored, as qvl builds its own.
         """
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
         hf_config = self.visual.config
         output_hidden_states = kwargs.get("output_hidden_states", getattr(hf_config, "output_hidden_states", False))
         reason = self._unfused_reason(hidden_states, output_hidden_states, kwargs)
@@ -185,9 +198,10 @@ class _PatchedForward:
                 lambda pixels, grid: _encode(self.visual, self.config, pixels, grid)[1:],
                 self.visual.pos_embed.weight.device,
             )
-        output = BaseModelOutputWithDeepstackFeatures(
-            last_hidden_state=last_hidden, pooler_output=merged, deepstack_features=deepstack
-        )
+        fields = {"last_hidden_state": last_hidden, "pooler_output": merged}
+        if self.config.deepstack_visual_indexes:
+            fields["deepstack_features"] = deepstack
+        output = self.output_class(**fields)
         if hidden is not None:
             # Set after construction, as transformers' output capture does: to_tuple() then puts it last.
             output["hidden_states"] = _select_hidden_states(hidden, output_hidden_states)
@@ -219,10 +233,11 @@ def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
 def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) -> nn.Module:
     """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
 
-    ``model``: a transformers Qwen3-VL model, recognised by its ``config.model_type`` (``"qwen3_vl"``,
-    ``"qwen3_vl_moe"``: ``Qwen3VLForConditionalGeneration``, ``Qwen3VLModel``, their MoE variants, subclasses of
-    them; ``"qwen3_vl_vision"``, ``"qwen3_vl_moe_vision"``: a bare vision model), or a module whose ``.model``
-    is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching again is harmless and sets
+    ``model``: a transformers model whose vision tower is Qwen3-VL's, recognised by its ``config.model_type``
+    (:data:`SUPPORTED_MODEL_TYPES`: Qwen3-VL, Qwen3.5 and their MoE variants as full models
+    (``...ForConditionalGeneration``), inner models (``...Model``), bare vision models and subclasses of them;
+    Qwen3-Omni-MoE's thinker and its vision encoder), or a module whose ``.model`` (or ``.thinker``, as
+    Qwen3-Omni's full model) is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching again is harmless and sets
     the mode anew. ``print(model)`` shows the patch on the vision module; :func:`unpatch_model` undoes it.
 
     The patched tower returns what transformers' returns, ``output_hidden_states`` included (the embedded

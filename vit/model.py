@@ -16,6 +16,7 @@ compile it once for every batch shape.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -156,6 +157,16 @@ def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return module.weight, module.bias
 
 
+# Qwen3-Omni's vision encoder names its mergers' parts (merger_list.{i} | merger).(ln_q | mlp.0 | mlp.2).
+_OMNI_MERGER_NAME = re.compile(r"^(merger_list\.\d+|merger)\.(ln_q|mlp\.0|mlp\.2)\.")
+_QWEN3_VL_MERGER_PART = {"ln_q": "norm", "mlp.0": "linear_fc1", "mlp.2": "linear_fc2"}
+
+
+def _qwen3_vl_merger_name(match: re.Match) -> str:
+    merger = match.group(1).replace("merger_list", "deepstack_merger_list")
+    return f"{merger}.{_QWEN3_VL_MERGER_PART[match.group(2)]}."
+
+
 def call_compiled(compiled, *args: torch.Tensor):
     """Call a tower's compiled device part so that every batch reuses one graph: each argument's first
     (token) dim marked dynamic, and the first argument (pixel values) made a fresh tensor when it is a view
@@ -180,18 +191,28 @@ def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+def merger_parts(merger: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """``(norm, fc1, fc2)`` of a patch merger under either family's names: Qwen3-VL's and Qwen3.5's
+    (``norm``, ``linear_fc1``, ``linear_fc2``) or Qwen3-Omni's (``ln_q``, ``mlp[0]``, ``mlp[2]``, the GELU
+    between them)."""
+    if hasattr(merger, "ln_q"):
+        return merger.ln_q, merger.mlp[0], merger.mlp[2]
+    return merger.norm, merger.linear_fc1, merger.linear_fc2
+
+
 def _merge(
     merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce, linear: LinearParts
 ) -> torch.Tensor:
+    norm, fc1, fc2 = merger_parts(merger)
     return patch_merger(
         x,
-        merger.norm.weight,
-        merger.norm.bias,
-        *linear(merger.linear_fc1),
-        *linear(merger.linear_fc2),
+        norm.weight,
+        norm.bias,
+        *linear(fc1),
+        *linear(fc2),
         spatial_merge_size=spatial_merge_size,
         postshuffle_norm=postshuffle_norm,
-        eps=merger.norm.eps,
+        eps=norm.eps,
         all_reduce=all_reduce,
     )
 
@@ -266,7 +287,8 @@ class VisionTransformer(nn.Module):
 
     @classmethod
     def from_hf(cls, vision_module: nn.Module, **kwargs) -> VisionTransformer:
-        """A tower with a copy of a transformers ``Qwen3VLVisionModel``'s (or MoE variant's) weights."""
+        """A tower with a copy of a transformers Qwen3-VL-family vision model's weights (Qwen3-VL, Qwen3.5, their
+        MoE variants, Qwen3-Omni's vision encoder)."""
         config = VisionConfig.from_hf(vision_module.config)
         weight = vision_module.pos_embed.weight
         tower = cls(config, dtype=weight.dtype, device=weight.device, **kwargs)
@@ -285,7 +307,9 @@ class VisionTransformer(nn.Module):
         return tower
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored."""
+        """Load a whole (unsharded) tower's weights with transformers' names (Qwen3-VL's and Qwen3.5's, or
+        Qwen3-Omni's merger names); extra keys are ignored."""
+        state_dict = {_OMNI_MERGER_NAME.sub(_qwen3_vl_merger_name, name): t for name, t in state_dict.items()}
         own = self.state_dict()
         state_dict = self._parallel.local_state_dict(state_dict, {name: t.shape for name, t in own.items()})
         missing = [name for name in own if name not in state_dict]

@@ -14,7 +14,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from qvl.kernels import force_backend
-from qvl.vit import hf_patch, is_patched, patch_model, register_attention, unpatch_model
+from qvl.vit import VisionTransformer, hf_patch, is_patched, patch_model, register_attention, unpatch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from tolerance import assert_error_within
 from towers import (
@@ -62,20 +62,21 @@ class Wrapper(torch.nn.Module):
         self.model = model
 
 
-def float64_run(module, run):
-    """``run`` on a float64 copy of ``module`` (the vision rotary in float64 too), without gradients: the ground
-    truth of the suite's tolerance rule (tests/tolerance.py). Inputs are cast by the caller or by the model."""
+def float64_run(module, run, *rotary):
+    """``run`` on a float64 copy of ``module`` (the vision rotary in float64 too; ``rotary``: the modeling module
+    and rotary class of a family other than Qwen3-VL, see ``towers.rotary_in_float64``), without gradients: the
+    ground truth of the suite's tolerance rule (tests/tolerance.py). Inputs are cast by the caller or the model."""
     module64 = float64_copy(module)
     if getattr(module64.config, "_experts_implementation", None) is not None:
         # MoE experts: torch's grouped matmul (transformers' default) has no float64 kernel; the loop over experts
         # does the same sums.
         module64.config._experts_implementation = "eager"
-    with rotary_in_float64(), torch.no_grad():
+    with rotary_in_float64(*rotary), torch.no_grad():
         return run(module64)
 
 
 def vision_fields(output) -> list[torch.Tensor]:
-    return [output.last_hidden_state, output.pooler_output, *output.deepstack_features]
+    return [output.last_hidden_state, output.pooler_output, *getattr(output, "deepstack_features", [])]
 
 
 @pytest.fixture
@@ -137,9 +138,10 @@ def image_inputs(grid, seed):
     )
 
 
-def assert_patch_keeps_logits_and_tokens(model, inputs):
-    """Patch ``model`` (twice: harmless) and check its logits and greedy tokens against the unpatched run."""
-    truth = float64_run(model, lambda model64: model64(**inputs).logits)
+def assert_patch_keeps_logits_and_tokens(model, inputs, *rotary):
+    """Patch ``model`` (twice: harmless) and check its logits and greedy tokens against the unpatched run
+    (``rotary``: see :func:`float64_run`)."""
+    truth = float64_run(model, lambda model64: model64(**inputs).logits, *rotary)
     with torch.no_grad():
         expected_logits = model(**inputs).logits
         expected_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
@@ -499,3 +501,78 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
 
 if __name__ == "__main__":
     _data_parallel_rank(sys.argv[1])
+
+
+# The rest of the Qwen vision family whose tower is Qwen3-VL's: (modeling module, vision class, rotary class).
+FAMILY = {
+    "qwen3_5": ("qwen3_5", "Qwen3_5VisionModel", "Qwen3_5VisionRotaryEmbedding"),
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVisionModel", "Qwen3_5MoeVisionRotaryEmbedding"),
+    "qwen3_omni_moe": ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeVisionRotaryEmbedding"),
+}
+
+
+def family_vision_model(name: str, seed: int):
+    import importlib
+
+    module_name, vision_class, rotary_class = FAMILY[name]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    model_class = getattr(modeling, vision_class)
+    fields = dict(VISION_KWARGS)
+    if "deepstack_visual_indexes" not in model_class.config_class.__annotations__:
+        del fields["deepstack_visual_indexes"]  # Qwen3.5: no deepstack mergers
+    config = model_class.config_class(**fields)
+    config._attn_implementation = "sdpa"
+    return randomize(model_class(config), seed).eval(), (modeling, rotary_class)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_family_vision_models_unchanged(name):
+    """Qwen3.5 (no deepstack: plain pooling output, as transformers returns), Qwen3.5-MoE and Qwen3-Omni's
+    vision encoder (mergers named ln_q / mlp) against transformers in float64, video included."""
+    hf, rotary = family_vision_model(name, seed=2)
+    grid_thw = [[1, 4, 6], [2, 2, 4]]
+    pixels, grid = pixel_values_for(grid_thw), torch.tensor(grid_thw)
+    truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)), *rotary)
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid)
+        patch_model(hf)
+        got = hf(pixels, grid_thw=grid)
+    assert type(got) is type(expected) and set(got.keys()) == set(expected.keys())
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what=f"{name} [last, merged, ...]")
+    with torch.no_grad():
+        merged, deepstack = VisionTransformer.from_hf(hf)(pixels, grid_thw)
+    assert_error_within([merged, *deepstack], truth[1:], vision_fields(expected)[1:], what=f"{name} from_hf")
+
+
+def test_qwen3_omni_tower_found_under_thinker():
+    """Qwen3-Omni's full model holds its thinker, whose ``.visual`` is the vision encoder."""
+    encoder, _ = family_vision_model("qwen3_omni_moe", seed=3)
+    thinker = torch.nn.Module()
+    thinker.config = type("ThinkerConfig", (), {"model_type": "qwen3_omni_moe_thinker"})()
+    thinker.visual = encoder
+    omni = torch.nn.Module()
+    omni.thinker = thinker
+    assert patch_model(omni) is omni and is_patched(omni) and is_patched(encoder)
+
+
+def test_qwen3_5_full_model_logits_and_generate():
+    """Qwen3.5 (hybrid linear/full attention text model) with its tower patched: logits and greedy tokens."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    vision = {k: v for k, v in VISION_KWARGS.items() if k != "deepstack_visual_indexes"}
+    text = {
+        **TEXT_KWARGS,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "rope_parameters": {**TEXT_KWARGS["rope_parameters"], "partial_rotary_factor": 1.0},
+    }
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(vision_config=vision, text_config=text, **TOKEN_IDS))
+    model.config._attn_implementation = "sdpa"
+    model = randomize(model, 4, std=0.1).eval()
+    assert_patch_keeps_logits_and_tokens(
+        model, image_inputs([[1, 4, 4]], seed=5), modeling_qwen3_5, "Qwen3_5VisionRotaryEmbedding"
+    )
