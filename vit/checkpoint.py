@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 __all__ = ["CheckpointError", "load_vision_checkpoint", "save_vision_checkpoint"]
 
-_PREFIXES = ("model.visual.", "visual.", "")
+# Where the tower's tensors live: Qwen3-VL's and Qwen3.5's full models, Qwen3-Omni's thinker, a bare tower.
+_PREFIXES = ("model.visual.", "thinker.visual.", "visual.", "")
 _INDEX = "model.safetensors.index.json"
 
 

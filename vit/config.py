@@ -82,13 +82,19 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> VisionConfig:
-        """From a config.json dict: a full Qwen3-VL config (its ``vision_config``) or a vision config."""
+        """From a config.json dict: a full model's config (its ``vision_config``, or Qwen3-Omni's
+        ``thinker_config.vision_config``) or a vision config. Qwen3.5's towers (``model_type`` ``qwen3_5...``)
+        have no deepstack mergers; other configs without ``deepstack_visual_indexes`` get Qwen3-VL's default."""
+        values = values.get("thinker_config", values)
+        model_type = values.get("model_type", "")
         values = values.get("vision_config", values)
         rope = values.get("rope_parameters") or {}
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in values.items() if k in fields}
         if "deepstack_visual_indexes" in kwargs:
             kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
+        elif (values.get("model_type") or model_type).startswith("qwen3_5"):
+            kwargs["deepstack_visual_indexes"] = ()
         if "rope_theta" in rope:
             kwargs["rope_theta"] = float(rope["rope_theta"])
         return cls(**kwargs)

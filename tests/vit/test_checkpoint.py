@@ -80,3 +80,38 @@ def test_bad_directories_name_the_file(tmp_path, make, words):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_vision_checkpoint(tmp_path / "missing")
+
+
+def test_qwen3_5_and_omni_checkpoints(tmp_path):
+    """Qwen3.5's config.json gives a tower without deepstack mergers; Qwen3-Omni's keeps the tower under
+    ``thinker.visual.`` with its config in ``thinker_config`` and its mergers named ln_q / mlp."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5VisionConfig, Qwen3OmniMoeVisionEncoderConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    from towers import VISION_KWARGS
+
+    no_deepstack = {k: v for k, v in VISION_KWARGS.items() if k != "deepstack_visual_indexes"}
+    for name, model, wrap, prefix in (
+        ("qwen3_5", Qwen3_5VisionModel(Qwen3_5VisionConfig(**no_deepstack)), "vision_config", "model.visual."),
+        (
+            "omni",
+            Qwen3OmniMoeVisionEncoder(Qwen3OmniMoeVisionEncoderConfig(**VISION_KWARGS)),
+            "thinker_config",
+            "thinker.visual.",
+        ),
+    ):
+        model = randomize(model, 5).eval()
+        directory = tmp_path / name
+        directory.mkdir()
+        vision = model.config.to_dict()
+        config = {"model_type": "qwen3_5", "vision_config": vision}
+        if wrap == "thinker_config":
+            config = {"model_type": "qwen3_omni_moe", "thinker_config": {"vision_config": vision}}
+        (directory / "config.json").write_text(json.dumps(config))
+        tensors = {prefix + key: value.contiguous() for key, value in model.state_dict().items()}
+        save_file(tensors, str(directory / "model.safetensors"))
+        tower = VisionTransformer.from_pretrained(directory).eval()
+        assert len(tower.deepstack_merger_list) == (0 if name == "qwen3_5" else 2)
+        assert_same_outputs(tower, VisionTransformer.from_hf(model).eval())
