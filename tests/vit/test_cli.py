@@ -1,5 +1,6 @@
 """``qvl encode``: output layout, features against the tower run directly on transformers' preprocessing,
-videos against transformers' Qwen3-VL video patch layout, checkpoints, and one-line errors.
+videos against transformers' Qwen3-VL video patch layout, video files against transformers' PyAV reading
+and Qwen3-VL frame sampling, checkpoints, and one-line errors.
 
 The command runs in-process on the torch path (the interpreter would take minutes for a whole tower);
 one subprocess run of ``python -m qvl.vit`` proves the entry point.
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from PIL import Image
 from safetensors import safe_open
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer, cli
@@ -156,6 +159,129 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
     assert_features_match(tensors, 1, embedded_tower, expected[0], [[2, 4, 6]])
 
 
+# Video files of each container the CLI names, with an encoder PyAV's wheels carry (av 18: libx264,
+# libvpx, mpeg4). 64x64 frames of noise, so that every frame differs from its neighbours.
+VIDEO_CODECS = {".mp4": "libx264", ".webm": "libvpx", ".mkv": "libx264", ".mov": "mpeg4"}
+
+
+def make_video(path: Path, frames: int, fps: int, seed: int = 0, size: int = 64) -> Path:
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(VIDEO_CODECS[path.suffix], rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def decode_all(path: Path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def test_sample_frame_indices_equal_qwen3_vl_video_processor():
+    """cli.sample_frame_indices is transformers' Qwen3VLVideoProcessor.sample_frames (callable without
+    torchvision) over frame counts, frame rates, --fps and --max-frames, edge cases included."""
+    checked = 0
+    for max_frames in (1, 3, 4, 5, 16, 768):
+        processor = Qwen3VLVideoProcessor(max_frames=max_frames)
+        for total in (1, 2, 3, 4, 5, 7, 16, 31, 100, 901, 5000):
+            for video_fps in (1.0, 8.0, 23.976023976023978, 25.0, 29.97002997002997, 60.0):
+                for fps in (0.5, 1.0, 2.0, 3.3, 30.0):
+                    expected = processor.sample_frames(VideoMetadata(total_num_frames=total, fps=video_fps), fps=fps)
+                    got = cli.sample_frame_indices(total, video_fps, fps, max_frames)
+                    assert got == expected.tolist(), (total, video_fps, fps, max_frames)
+                    checked += 1
+    assert checked == 6 * 11 * 6 * 5
+    # by hand: 16 frames at 8 fps are 2 s, 4 frames at 2 fps from frame 0 to 15; at least 4 frames
+    # (min_frames) where there are that many; a stream with no rate counts as 24 fps, as in transformers
+    assert cli.sample_frame_indices(16, 8.0) == [0, 5, 10, 15]
+    assert cli.sample_frame_indices(16, 8.0, fps=4.0) == [0, 2, 4, 6, 9, 11, 13, 15]
+    assert cli.sample_frame_indices(16, 8.0, max_frames=3) == [0, 8, 15]
+    assert cli.sample_frame_indices(3, 30.0) == [0, 1, 2]
+    fallback = cli.sample_frame_indices(240, None)  # 10 s: 20 frames, 0 to 239 in steps of 239/19
+    assert fallback == cli.sample_frame_indices(240, 24.0) and len(fallback) == 20 and fallback[::19] == [0, 239]
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mov"])
+def test_video_file_frames_equal_transformers_read_video_pyav(suffix, tmp_path):
+    """Where the container states its frame count (transformers' reader trusts it; WebM and Matroska leave
+    it 0), the frames the CLI decodes and samples are transformers' read_video_pyav's, bit for bit."""
+    path = make_video(tmp_path / f"clip{suffix}", frames=30, fps=10)
+    processor = Qwen3VLVideoProcessor()
+    for fps in (2.0, 5.0):
+        expected, metadata = read_video_pyav(path, sample_indices_fn=processor.sample_frames, fps=fps)
+        item = cli._video_file(str(path), fps, cli.QWEN3_VL_MAX_FRAMES)
+        assert item.sampling == {"frames": 30, "fps": 10.0, "indices": metadata.frames_indices.tolist()}
+        _, _, frames = cli._video_frames(path, keep=set(item.sampling["indices"]))
+        np.testing.assert_array_equal(np.stack([np.asarray(frame) for frame in frames]), expected)
+    assert len(expected) == 15  # 3 s at --fps 5
+
+
+@pytest.mark.parametrize(
+    "suffix, frames, fps, options, indices",
+    [
+        (".mp4", 16, 8, [], [0, 5, 10, 15]),  # 2 s at 2 fps
+        (".webm", 16, 8, ["--fps", "4"], [0, 2, 4, 6, 9, 11, 13, 15]),
+        (".mkv", 16, 8, ["--max-frames", "3"], [0, 8, 15]),  # odd count: padded like a frame folder
+        (".mov", 3, 8, [], [0, 1, 2]),  # shorter than min_frames: all frames
+    ],
+)
+def test_video_file_equals_its_sampled_frames_as_a_folder(suffix, frames, fps, options, indices, tmp_path):
+    """A video file is decoded, sampled, then encoded on the frame folders' path: its output is bit for bit
+    that of a folder holding the frames at the sampled numbers (decoded here with PyAV)."""
+    video = make_video(tmp_path / f"clip{suffix}", frames, fps, seed=frames)
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    decoded = decode_all(video)
+    assert len(decoded) == frames
+    for index in indices:
+        Image.fromarray(decoded[index]).save(folder / f"{index}.png")
+
+    from_file, from_folder = tmp_path / "file.safetensors", tmp_path / "folder.safetensors"
+    assert encode(video, "-o", from_file, "--min-pixels", 1024, *options) == 0
+    assert encode("--video", folder, "-o", from_folder, "--min-pixels", 1024) == 0
+    tensors, metadata = read_output(from_file)
+    expected, expected_metadata = read_output(from_folder)
+    assert sorted(tensors) == sorted(expected)
+    for name in expected:
+        assert torch.equal(tensors[name], expected[name]), name
+    grid = [(len(indices) + 1) // 2, 4, 4]
+    assert json.loads(metadata["grid_thw"]) == json.loads(expected_metadata["grid_thw"]) == [grid]
+    assert json.loads(metadata["kinds"]) == ["video"]
+    assert json.loads(metadata["sampling"]) == [{"frames": frames, "fps": float(fps), "indices": indices}]
+    assert json.loads(expected_metadata["sampling"]) == [None]
+
+
+def test_video_files_mix_with_images_and_folders_in_order(images, tmp_path):
+    """Positional inputs keep their order (images and video files), then --video inputs (a video file of any
+    name, a folder)."""
+    clip = make_video(tmp_path / "clip.mp4", frames=8, fps=4)
+    renamed = tmp_path / "clip.data"
+    renamed.write_bytes(clip.read_bytes())
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for number in range(2):
+        random_picture(64, 64, number).save(folder / f"{number}.png")
+    output = tmp_path / "out.safetensors"
+    argv = [images[0], clip, images[2], "--video", renamed, "--video", folder, "-o", output, "--min-pixels", 1024]
+    assert encode(*argv, "--batch-size", 2) == 0
+    tensors, metadata = read_output(output)
+    assert json.loads(metadata["sources"]) == [str(path) for path in (images[0], clip, images[2], renamed, folder)]
+    assert json.loads(metadata["kinds"]) == ["image", "video", "image", "video", "video"]
+    assert json.loads(metadata["grid_thw"]) == [[1, 4, 4], [2, 4, 4], [1, 2, 2], [2, 4, 4], [1, 4, 4]]
+    sampling = json.loads(metadata["sampling"])
+    assert sampling[1] == sampling[3] == {"frames": 8, "fps": 4.0, "indices": [0, 2, 5, 7]}
+    assert sampling[0] is sampling[2] is sampling[4] is None
+    # the same file under two names: the same features, up to the rounding of batches of different shapes
+    torch.testing.assert_close(tensors["image.1.merged"], tensors["image.3.merged"])
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, VisionTransformer]:
     tower = VisionTransformer(TINY_CONFIG).init_random_weights(3)
@@ -259,6 +385,82 @@ def test_errors_are_one_line_naming_the_file_and_write_nothing(case, reason, ima
     assert list(out_dir.iterdir()) == []
 
 
+def audio_only(path: Path, with_empty_video_stream: bool) -> Path:
+    """A Matroska file with an AAC track and, if asked, a video stream that holds no frames."""
+    with av.open(str(path), "w") as container:
+        if with_empty_video_stream:
+            video = container.add_stream("mpeg4", rate=8)
+            video.width = video.height = 64
+        audio = container.add_stream("aac", rate=48000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 4800), dtype=np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 48000
+        for packet in [*audio.encode(frame), *audio.encode()]:
+            container.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("text file named .mp4", "not a video file PyAV can decode"),
+        ("corrupt mp4", "not a video file PyAV can decode"),
+        ("missing video file", "no such file"),
+        ("missing --video path", "no such file or directory"),
+        ("audio only", "no video stream"),
+        ("video stream without frames", "no video frames"),
+        ("text file given with --video", "not a video file PyAV can decode"),
+        ("PyAV not installed", "pip install av"),
+    ],
+)
+def test_video_file_errors_are_one_line_naming_the_file_and_write_nothing(
+    case, reason, images, tmp_path, capsys, monkeypatch
+):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    culprit = tmp_path / "clip.mkv"
+    argv = [images[0], culprit]
+    if case == "text file named .mp4":
+        culprit = tmp_path / "clip.mp4"
+        culprit.write_text("hello, not a video")
+        argv = [images[0], culprit]
+    elif case == "corrupt mp4":
+        # the container opens; the frames do not decode
+        culprit = make_video(tmp_path / "clip.mp4", frames=8, fps=8)
+        data = bytearray(culprit.read_bytes())
+        for offset in range(2000, len(data) - 2000, 7):
+            data[offset] ^= 0x55
+        culprit.write_bytes(bytes(data))
+        argv = [images[0], culprit]
+    elif case == "audio only":
+        audio_only(culprit, with_empty_video_stream=False)
+    elif case == "video stream without frames":
+        audio_only(culprit, with_empty_video_stream=True)
+    elif case == "missing --video path":
+        culprit = tmp_path / "nothing"
+        argv = [images[0], "--video", culprit]
+    elif case == "text file given with --video":
+        culprit = tmp_path / "clip.txt"
+        culprit.write_text("hello, not a video")
+        argv = [images[0], "--video", culprit]
+    elif case == "PyAV not installed":
+        make_video(culprit, frames=8, fps=8)
+        monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
+
+    assert encode(*argv, "--output", out_dir / "features.safetensors") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"qvl: error: {culprit}: ") and reason in err, err
+    assert list(out_dir.iterdir()) == []
+
+
+def test_without_pyav_images_and_folders_still_encode(images, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    random_picture(64, 64, 0).save(folder / "0.png")
+    assert encode(images[2], "--video", folder, "-o", tmp_path / "out.safetensors", "--min-pixels", 1024) == 0
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -266,6 +468,10 @@ def test_errors_are_one_line_naming_the_file_and_write_nothing(case, reason, ima
         ["x.png", "--batch-size", "0"],
         ["x.png", "--min-pixels", "4096", "--max-pixels", "1024"],
         ["x.png", "--dtype", "float64"],
+        ["x.mp4", "--fps", "0"],
+        ["x.mp4", "--fps", "nan"],
+        ["x.mp4", "--fps", "two"],
+        ["x.mp4", "--max-frames", "0"],
     ],
 )
 def test_usage_errors_exit_2(argv, capsys):
@@ -277,6 +483,7 @@ def test_help_documents_the_output_layout(capsys):
     assert cli.main(["encode", "--help"]) == 0
     out = capsys.readouterr().out
     assert "image.{i}.merged" in out and "image.{i}.deepstack.{j}" in out and str(cli.QWEN3_VL_MAX_PIXELS) in out
+    assert "--fps F" in out and "--max-frames N" in out and ".webm" in out and "linspace" in out
 
 
 def test_python_dash_m_entry_point_with_default_pixel_bounds(images, tmp_path):
