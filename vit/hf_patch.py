@@ -129,8 +129,16 @@ class _PatchedForward:
         # (Qwen3-VL, Qwen3-Omni), or plain pooling output (Qwen3.5).
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        modeling = sys.modules[type(visual).__module__]
-        deepstack_class = getattr(modeling, "BaseModelOutputWithDeepstackFeatures", None)
+        # Looked up along the class hierarchy: a subclass may live in a module of its own.
+        modules = (sys.modules.get(cls.__module__) for cls in type(visual).__mro__)
+        deepstack_class = next(
+            (
+                m.BaseModelOutputWithDeepstackFeatures
+                for m in modules
+                if hasattr(m, "BaseModelOutputWithDeepstackFeatures")
+            ),
+            None,
+        )
         has_deepstack = bool(config.deepstack_visual_indexes) and deepstack_class is not None
         self.output_class = deepstack_class if has_deepstack else BaseModelOutputWithPooling
 
