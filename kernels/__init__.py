@@ -1,10 +1,11 @@
-"""qvl.kernels: Triton kernels for the Qwen3-VL vision tower, registered as ``torch.ops.qvl.*``.
+"""qvl.kernels: Triton kernels for the Qwen-VL vision towers, registered as ``torch.ops.qvl.*``.
 
 Importing this package registers the ops; nothing is compiled and no GPU is queried at import.
 Each module holds one kernel family (Triton kernel, launch configuration, launcher, op registration,
 torch reference): ``attention`` (vision_attn), ``rotary`` (rotary_2d, rotary_2d_), ``pos_embed``
-(pos_embed_interp, pos_embed_interp_add_), ``layer_norm`` (layer_norm, add_layer_norm), ``gelu``
-(bias_gelu, bias_gelu_). ``tiles`` holds the Triton device functions two families share; ``common``
+(pos_embed_interp, pos_embed_interp_add_), ``layer_norm`` (layer_norm, add_layer_norm), ``rms_norm``
+(rms_norm, add_rms_norm), ``gelu`` (bias_gelu, bias_gelu_: erf, tanh and quick GELU), ``swiglu``
+(bias_swiglu). ``tiles`` holds the Triton device functions two families share; ``common``
 chooses the path each call takes and checks arguments. Single-device ops only: composing them into
 layers, and distributing them, is :mod:`qvl.vit`'s business.
 """
@@ -24,22 +25,30 @@ else:
     from .gelu import bias_gelu, bias_gelu_, bias_gelu_reference
     from .layer_norm import add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference
     from .pos_embed import pos_embed_interp, pos_embed_interp_add_, pos_embed_interp_reference
+    from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
     from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
+    from .swiglu import bias_swiglu, bias_swiglu_reference
 
 __all__ = [
     "MAX_HEAD_DIM",
     "add_layer_norm",
     "add_layer_norm_reference",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "backend_for",
     "bias_gelu",
     "bias_gelu_",
     "bias_gelu_reference",
+    "bias_swiglu",
+    "bias_swiglu_reference",
     "force_backend",
     "layer_norm",
     "layer_norm_reference",
     "pos_embed_interp",
     "pos_embed_interp_add_",
     "pos_embed_interp_reference",
+    "rms_norm",
+    "rms_norm_reference",
     "rotary_2d",
     "rotary_2d_",
     "rotary_2d_reference",

@@ -1,8 +1,10 @@
 """Bias + GELU, the epilogue of a bias-less GEMM: ``torch.ops.qvl.bias_gelu`` and its in-place twin
-``torch.ops.qvl.bias_gelu_`` (exact-erf GELU for the patch mergers, tanh GELU for the blocks' MLP).
+``torch.ops.qvl.bias_gelu_`` (exact-erf GELU for the patch mergers, tanh GELU for Qwen3-VL's blocks' MLP,
+QuickGELU ``x * sigmoid(1.702 x)`` for Qwen2-VL's blocks' MLP).
 
 The kernel is memory bound: it reads x and the bias once and writes once, computing in fp32 and rounding
-once on the store.
+once on the store. Its tiling (:func:`row_tiles`) and :func:`times_sigmoid` are shared with the SwiGLU
+epilogue (:mod:`qvl.kernels.swiglu`).
 """
 
 from __future__ import annotations
@@ -31,14 +33,26 @@ __all__ = [
     "bias_gelu_launches",
     "bias_gelu_reference",
     "launch_config",
+    "row_tiles",
+    "times_sigmoid",
 ]
 
-GELU_APPROXIMATIONS = ("none", "tanh")
+# "none": exact erf GELU; "tanh": torch's tanh approximation; "quick": the sigmoid approximation
+# x * sigmoid(1.702 x) (Hendrycks and Gimpel's, transformers' QuickGELUActivation).
+GELU_APPROXIMATIONS = ("none", "tanh", "quick")
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_KAPPA = tl.constexpr(0.044715)
 _LOG2_E = tl.constexpr(1.4426950408889634)
+_QUICK_GELU_SCALE = tl.constexpr(1.702)
+
+
+@triton.jit
+def times_sigmoid(v, z):
+    """``v * sigmoid(z)`` in fp32 as ``v / (1 + exp2(-z log2 e))``: one exp2 and one division, and no
+    cancellation for z << 0. Overflow is benign: exp2 -> inf gives -0 (or +0) for z << 0."""
+    return v / (1.0 + tl.exp2(z * (-_LOG2_E)))
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -56,7 +70,7 @@ def _bias_gelu_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    APPROXIMATE_TANH: tl.constexpr,
+    APPROXIMATE: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,25 +80,30 @@ def _bias_gelu_kernel(
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     bias = tl.load(Bias + cols, mask=mask_n, other=0.0)
     v = x.to(tl.float32) + bias.to(tl.float32)[None, :]
-    if APPROXIMATE_TANH:
+    if APPROXIMATE == "tanh":
         # v * (1 + tanh(u)) / 2 == v * sigmoid(2u): one exp2 and no tanh (which the interpreter lacks),
-        # and no cancellation in 1 + tanh(u) for u << 0. Overflow is benign: exp2 -> inf gives -0.
+        # and no cancellation in 1 + tanh(u) for u << 0.
         u = v * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_KAPPA) * v * v)
-        y = v / (1.0 + tl.exp2(u * (-2.0 * _LOG2_E)))
+        y = times_sigmoid(v, 2.0 * u)
+    elif APPROXIMATE == "quick":
+        y = times_sigmoid(v, v * _QUICK_GELU_SCALE)
     else:
         y = 0.5 * v * (1.0 + tl.math.erf(v * _SQRT1_2))
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+def row_tiles(num_cols: int) -> dict:
+    """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
+    4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
+    block_n = min(1024, triton.next_power_of_2(num_cols))
+    return dict(BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4, **FMA_CONTRACTION)
+
+
 def launch_config(num_cols: int, approximate: str, target: GPUTarget) -> dict:
     """Everything the bias + GELU launch passes besides tensors and scalars, for rows of ``num_cols`` and
-    the GELU ``approximate`` on ``target``: up to 1024 columns and about 4096 values per program, and
-    compile options. Every target gets the same values (the interpreter ignores warps and options)."""
-    block_n = min(1024, triton.next_power_of_2(num_cols))
-    return dict(
-        BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, APPROXIMATE_TANH=approximate == "tanh", num_warps=4,
-        **FMA_CONTRACTION,
-    )  # fmt: skip
+    the GELU ``approximate`` on ``target``: :func:`row_tiles` and the approximation. Every target gets the
+    same values (the interpreter ignores warps and options)."""
+    return dict(row_tiles(num_cols), APPROXIMATE=approximate)
 
 
 def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[KernelLaunch]:
@@ -107,7 +126,8 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
     """Pure-torch ``gelu(x + bias)`` in fp32 (float64 stays float64), one rounding to x's dtype,
     returned contiguous."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = F.gelu(x.to(compute) + bias.to(compute), approximate=approximate)
+    v = x.to(compute) + bias.to(compute)
+    y = v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
     return y.to(x.dtype).contiguous()
 
 
@@ -130,14 +150,19 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     Args:
         x: ``(N, F)`` fp16/bf16/fp32, last dim contiguous (row stride free).
         bias: contiguous ``(F,)`` in x's dtype, on x's device.
-        approximate: ``"none"`` (exact erf GELU, the patch mergers' ``nn.GELU()``) or ``"tanh"``
-            (``gelu_pytorch_tanh``, the blocks' MLP).
+        approximate: ``"none"`` (exact erf GELU, the patch mergers' ``nn.GELU()``), ``"tanh"``
+            (``gelu_pytorch_tanh``, Qwen3-VL's blocks' MLP) or ``"quick"`` (``x * sigmoid(1.702 x)``,
+            transformers' ``QuickGELUActivation``, ``hidden_act="quick_gelu"`` of Qwen2-VL's blocks' MLP).
+            QuickGELU is GELU's sigmoid approximation, as "tanh" is its tanh approximation, and needs
+            exactly this op's epilogue, in-place twin and rounding, so it is a third value of
+            ``approximate`` (a string in the schema) rather than a sibling op.
 
     Returns a new contiguous ``(N, F)`` tensor in x's dtype. ``x + bias`` and the GELU are computed in
     fp32 and rounded once. Compared with eager ``F.gelu(F.linear(h, W, b))``, which rounds
     ``h @ W^T + b`` to the dtype before the GELU, the caller's bias-less GEMM rounds ``h @ W^T`` before
     the bias instead: results agree within one rounding of the dtype at the GELU's input (in fp32, within
-    fp32 rounding). Nothing is mutated. Forward only.
+    fp32 rounding). transformers' QuickGELU in a 16-bit dtype also rounds ``1.702 x`` and the sigmoid
+    before the product; qvl rounds once. Nothing is mutated. Forward only.
     """
     _check_bias_gelu_args("bias_gelu", x, bias, approximate)
     if backend_for(x.device) == "torch":

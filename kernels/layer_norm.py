@@ -5,6 +5,9 @@ The kernel is memory bound: it reads its inputs once and writes its outputs once
 rounding once on the store. A program holds whole rows (``BLOCK_C = next_pow2(C)``), so mean and
 variance come from one read of the row, with the variance taken over centered values (no
 ``E[x^2] - E[x]^2`` cancellation).
+
+The row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`)
+and the argument checks (:func:`check_norm_args`) are shared with RMSNorm (:mod:`qvl.kernels.rms_norm`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,21 @@ __all__ = [
 MAX_NORM_DIM = 16384
 
 
+@triton.jit
+def load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA: tl.constexpr):
+    """The ``(rows, offs_c)`` tile a norm normalizes, in fp32 (0 where ``mask`` is off): x's, or with
+    ``HAS_DELTA`` the residual sum ``h = x + delta``, added in fp32, rounded to Sum's dtype and stored
+    into Sum. The norm kernels (LayerNorm here, RMSNorm in :mod:`qvl.kernels.rms_norm`) share it."""
+    x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(Delta + rows[:, None] * stride_dm + offs_c[None, :], mask=mask, other=0.0)
+        # Round the sum to the residual dtype before normalizing, so the norm sees exactly the residual
+        # that is stored (eager ``h = x + delta; norm(h)``), not a more precise sum.
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(Sum.dtype.element_ty)
+        tl.store(Sum + rows[:, None] * stride_sm + offs_c[None, :], x, mask=mask)
+    return x.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _layer_norm_kernel(
     # pointers
@@ -73,14 +91,7 @@ def _layer_norm_kernel(
     mask_c = offs_c < num_cols
     mask = mask_m[:, None] & mask_c[None, :]
 
-    x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0)
-    if HAS_DELTA:
-        delta = tl.load(Delta + rows[:, None] * stride_dm + offs_c[None, :], mask=mask, other=0.0)
-        # Round the sum to the residual dtype before normalizing, so the norm sees exactly the residual
-        # that is stored (eager ``h = x + delta; norm(h)``), not a more precise sum.
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(Sum.dtype.element_ty)
-        tl.store(Sum + rows[:, None] * stride_sm + offs_c[None, :], x, mask=mask)
-    x = x.to(tl.float32)
+    x = load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA)
 
     mean = tl.sum(x, axis=1) / num_cols
     # Padding columns would contribute mean^2 each to the variance: zero them.
@@ -97,7 +108,8 @@ def _layer_norm_kernel(
 def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
     """Everything the norm launch passes besides tensors and scalars, for rows of ``num_cols`` (with the
     residual add when ``has_delta``) on ``target``. Every target gets the same values (the interpreter
-    ignores warps and options)."""
+    ignores warps and options). RMSNorm (:mod:`qvl.kernels.rms_norm`) launches with the same values: its
+    programs hold the same whole fp32 rows."""
     block_c = triton.next_power_of_2(num_cols)
     # At least 4096 values per program, so narrow rows still give each thread enough loads in flight;
     # warps grow with wider rows to keep about 32 fp32 values per thread (MAX_NORM_DIM over 16 warps).
@@ -152,7 +164,10 @@ def _check_eps(op: str, eps: object) -> None:
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps}")
 
 
-def _check_norm_args(op: str, x, weight, bias, eps, delta=None) -> None:
+def check_norm_args(op: str, x, weight, bias, eps, delta=None) -> None:
+    """The norm ops' argument checks (LayerNorm's and RMSNorm's, which passes ``bias=None``): x and delta
+    ``(N, C)`` of one float dtype, last dim contiguous, ``1 <= C <= MAX_NORM_DIM``; weight (and bias)
+    contiguous ``(C,)`` in x's dtype; all on x's device; eps finite and > 0."""
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     named = {"x": x}
     if delta is not None:
@@ -166,6 +181,8 @@ def _check_norm_args(op: str, x, weight, bias, eps, delta=None) -> None:
     if not 0 < num_cols <= MAX_NORM_DIM:
         raise ValueError(f"{op}: x's normalized dim C = x.shape[1] must be in 1..{MAX_NORM_DIM}, got {num_cols}")
     for name, param in (("weight", weight), ("bias", bias)):
+        if param is None and name == "bias":
+            continue
         check_tensor(op, name, param, ndim=1, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
         if param.shape[0] != num_cols:
             raise ValueError(f"{op}: {name} must have shape (C,) = ({num_cols},), got {tuple(param.shape)}")
@@ -190,7 +207,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     in fp32, as ``torch.nn.LayerNorm`` computes them; one rounding on the output. Nothing is mutated.
     Forward only (no autograd).
     """
-    _check_norm_args("layer_norm", x, weight, bias, eps)
+    check_norm_args("layer_norm", x, weight, bias, eps)
     if backend_for(x.device) == "torch":
         return layer_norm_reference(x, weight, bias, eps)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -200,7 +217,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 @layer_norm.register_fake
 def _(x, weight, bias, eps=1e-6):
-    _check_norm_args("layer_norm", x, weight, bias, eps)
+    check_norm_args("layer_norm", x, weight, bias, eps)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -220,7 +237,7 @@ def add_layer_norm(
     within the norm's own rounding. Returns two new contiguous ``(N, C)`` tensors; nothing is mutated.
     One kernel reads x and delta once and writes h and the norm once. Forward only.
     """
-    _check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
+    check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
     if backend_for(x.device) == "torch":
         return add_layer_norm_reference(x, delta, weight, bias, eps)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -231,5 +248,5 @@ def add_layer_norm(
 
 @add_layer_norm.register_fake
 def _(x, delta, weight, bias, eps=1e-6):
-    _check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
+    check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)

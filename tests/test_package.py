@@ -37,7 +37,8 @@ def test_import_registers_ops_without_compiling_or_touching_a_gpu():
     out = run_python(
         "import sys, torch, qvl.kernels, qvl.vit;"
         "print(all(hasattr(torch.ops.qvl, n) for n in ('vision_attn', 'rotary_2d', 'rotary_2d_', 'pos_embed_interp',"
-        " 'pos_embed_interp_add_', 'layer_norm', 'add_layer_norm', 'bias_gelu', 'bias_gelu_')),"
+        " 'pos_embed_interp_add_', 'layer_norm', 'add_layer_norm', 'bias_gelu', 'bias_gelu_',"
+        " 'rms_norm', 'add_rms_norm', 'bias_swiglu')),"
         " torch.cuda.is_initialized())"
     )
     assert out == "True False"

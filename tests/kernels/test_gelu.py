@@ -1,4 +1,5 @@
-"""torch.ops.qvl.bias_gelu / bias_gelu_ against float64 ground truth and eager torch in the same dtype.
+"""torch.ops.qvl.bias_gelu / bias_gelu_ against float64 ground truth and eager torch in the same dtype, and
+QuickGELU (``approximate="quick"``) against transformers' ``QuickGELUActivation`` and Qwen2-VL's ``VisionMlp``.
 
 Each op runs on its default path (the Triton interpreter on CPU, compiled Triton on a GPU) and on the
 torch path (the ``backend`` fixture). Errors are held to the suite's rule (tolerance.py): at most twice
@@ -7,13 +8,19 @@ output's scale. Both sides call an erf or tanh whose accuracy depends on the mac
 width, which is why the bound is relative to torch's error on the same machine.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.activations import QuickGELUActivation
+from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionMlp
 
 from conftest import norm_params, row_strided
+from qvl.kernels import force_backend
 from qvl.kernels.gelu import bias_gelu_reference
 from tolerance import assert_error_within
+from towers import float64_copy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The tanh GELU's exp2 overflows to inf for large negative inputs by design (the result is then -0);
@@ -48,7 +55,72 @@ def test_bias_gelu(dtype, approximate, backend, device):
     assert_error_within(y[~saturated], truth[~saturated], eager[~saturated], what="bias_gelu")
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_quick_gelu(dtype, backend, device):
+    """QuickGELU ``v * sigmoid(1.702 v)``, v = x + bias, against transformers' ``QuickGELUActivation`` (which
+    in a 16-bit dtype rounds ``1.702 v``, the sigmoid and the product; the op rounds once)."""
+    torch.manual_seed(3)
+    x, bias = gelu_inputs(96, 300, dtype, device)
+    y = torch.ops.qvl.bias_gelu(x, bias, "quick")
+    assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+    truth = bias_gelu_reference(x.double(), bias.double(), "quick")
+    # From v = 40 on, sigmoid(1.702 v) is 1 in fp32: the output is v itself. Held apart, these inputs (up to
+    # 1e4) leave the rule's eps at the scale of the other outputs; the negative tail is ~0 and stays in.
+    saturated = (x.float() + bias.float()) >= 40
+    assert torch.equal(y[saturated], (x + bias)[saturated])
+    eager = QuickGELUActivation()(x + bias)
+    assert_error_within(y[~saturated], truth[~saturated], eager[~saturated], what="bias_gelu quick")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_gelu_matches_qwen2_vl_mlp(dtype, backend, device):
+    """Qwen2-VL's vision MLP (``hidden_act="quick_gelu"``) as qvl runs such an MLP: bias-less fc1, then the
+    in-place bias + QuickGELU, then fc2."""
+    torch.manual_seed(5)
+    mlp = VisionMlp(dim=72, hidden_dim=136, hidden_act="quick_gelu")
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.copy_(0.2 * torch.randn_like(param))
+    mlp = mlp.to(device=device, dtype=dtype).eval()
+    x = torch.randn(120, 72, device=device).to(dtype)
+    with torch.no_grad():
+        h = x @ mlp.fc1.weight.t()
+        torch.ops.qvl.bias_gelu_(h, mlp.fc1.bias, "quick")
+        got = mlp.fc2(h)
+        truth, eager = float64_copy(mlp)(x.double()), mlp(x)
+    assert_error_within(got, truth, eager, what="Qwen2-VL VisionMlp on bias_gelu quick")
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_dynamic_rows_no_recompile(path, device):
+    """All three GELUs, out of place and in place, compiled whole: one graph serves every token count."""
+    torch.manual_seed(6)
+    bias = torch.randn(72, device=device)
+
+    def gelus(x):
+        y = torch.ops.qvl.bias_gelu(x, bias, "quick") + torch.ops.qvl.bias_gelu(x, bias, "none")
+        h = x.clone()
+        torch.ops.qvl.bias_gelu_(h, bias, "tanh")
+        return y, h
+
+    def gelus_in_torch(x):
+        b = bias.to(x.dtype)
+        return QuickGELUActivation()(x + b) + F.gelu(x + b), F.gelu(x + b, approximate="tanh")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(gelus, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        # Row counts unlike every other size in play, so duck sizing ties no symbol to them.
+        for index, rows in enumerate((67, 101)):
+            x = torch.randn(rows, 72, device=device)
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = compiled(x)
+            assert_error_within(got, gelus_in_torch(x.double()), gelus_in_torch(x), what=f"{rows} rows")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
 def test_bias_gelu_inplace(approximate, backend, device):
     torch.manual_seed(4)
     wide = torch.randn(40, 200, device=device, dtype=torch.bfloat16)
@@ -74,11 +146,16 @@ def opcheck_cases(device):
     return {
         "bias_gelu_none": (torch.ops.qvl.bias_gelu.default, (x, bias, "none")),
         "bias_gelu_tanh": (torch.ops.qvl.bias_gelu.default, (x, bias, "tanh")),
+        "bias_gelu_quick": (torch.ops.qvl.bias_gelu.default, (x, bias, "quick")),
         "bias_gelu_": (torch.ops.qvl.bias_gelu_.default, (x.clone(), bias, "tanh")),
+        "bias_gelu__quick": (torch.ops.qvl.bias_gelu_.default, (x.clone(), bias, "quick")),
     }
 
 
-@pytest.mark.parametrize("case", ["bias_gelu_none", "bias_gelu_tanh", "bias_gelu_"])
+OPCHECK_CASES = ["bias_gelu_none", "bias_gelu_tanh", "bias_gelu_quick", "bias_gelu_", "bias_gelu__quick"]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(case, device):
     op, args = opcheck_cases(device)[case]
     torch.library.opcheck(op, args)
@@ -91,6 +168,7 @@ BAD_INPUTS = {
     "bg_x_3d": (lambda x, w, b: BG(x[None], b), ValueError, "x must be 2-D"),
     "bg_approximate": (lambda x, w, b: BG(x, b, "erf"), ValueError, "approximate must be one of"),
     "bg__approximate": (lambda x, w, b: BG_(x, b, "sigmoid"), ValueError, "approximate must be one of"),
+    "bg_approximate_case": (lambda x, w, b: BG(x, b, "Quick"), ValueError, "approximate must be one of"),
 }
 
 

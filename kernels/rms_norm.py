@@ -1,0 +1,182 @@
+"""RMSNorm for Qwen2.5-VL's vision blocks (``norm1``, ``norm2``) and patch merger (``ln_q``):
+``torch.ops.qvl.rms_norm`` and ``torch.ops.qvl.add_rms_norm`` (a block's residual add fused with the next
+norm).
+
+transformers' ``Qwen2RMSNorm`` (``Qwen2_5_VLRMSNorm``, eps 1e-6 in the vision tower) computes::
+
+    h = x.to(float32)
+    h = h * rsqrt(h.pow(2).mean(-1) + eps)
+    y = weight * h.to(x.dtype)
+
+so the normalized row is rounded to x's dtype *before* the weight multiplies it, and the product is rounded
+again. The kernel reproduces both roundings (in fp32 both are exact no-ops): it reads each row once,
+computes the mean square in fp32, rounds ``x * rstd`` to the dtype, multiplies by the weight in fp32 and
+rounds the product on the store, which is exactly how eager torch evaluates ``weight * h`` for two tensors
+of one 16-bit dtype.
+
+The kernel is memory bound like LayerNorm's, and shares its family's parts in :mod:`qvl.kernels.layer_norm`:
+the row blocking (:func:`launch_config`: a program holds whole rows), the row load with the fused residual
+add (:func:`~qvl.kernels.layer_norm.load_norm_rows`) and the argument checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from .common import KernelLaunch, backend_for, device_target, run_launches
+from .layer_norm import MAX_NORM_DIM, check_norm_args, launch_config, load_norm_rows
+
+__all__ = [
+    "MAX_NORM_DIM",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "launch_config",
+    "rms_norm",
+    "rms_norm_launches",
+    "rms_norm_reference",
+]
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _rms_norm_kernel(
+    # pointers
+    X,
+    Delta,
+    Sum,
+    Weight,
+    Y,
+    # sizes
+    num_rows,
+    num_cols,
+    # scalars
+    eps,
+    # strides (rows); the last dim is contiguous
+    stride_xm,
+    stride_dm,
+    stride_sm,
+    stride_ym,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = rows < num_rows
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_cols
+    mask = mask_m[:, None] & mask_c[None, :]
+
+    # Padding columns load as 0 and add nothing to the sum of squares.
+    x = load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
+    # transformers rounds the normalized row to the input dtype, then multiplies by the weight.
+    normed = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+    weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    y = weight[None, :] * normed
+    tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
+    """The launch RMS-normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given)
+    into ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device
+    sync)."""
+    num_rows, num_cols = x.shape
+    if num_rows == 0:
+        return []
+    has_delta = delta is not None
+    config = launch_config(num_cols, has_delta, target)
+    grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
+    args = (
+        x, delta if has_delta else x, h if has_delta else x, weight, y,
+        num_rows, num_cols,
+        eps,
+        x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
+    )  # fmt: skip
+    return [KernelLaunch(_rms_norm_kernel, grid, args, config)]
+
+
+def _launch_rms_norm(x, delta, h, weight, y, eps: float) -> None:
+    run_launches(rms_norm_launches(x, delta, h, weight, y, eps, device_target(x.device)), x.device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Pure-torch ``Qwen2RMSNorm`` over the last dim: statistics and normalization in fp32 (float64 stays
+    float64, the tests' ground truth), rounded to x's dtype, then ``weight *`` in x's dtype; returned
+    contiguous. For a weight in x's dtype this is transformers' forward op for op."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)).contiguous()
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch ``h = x + delta`` (rounded to x's dtype, as eager torch does) and ``rms_norm(h)``."""
+    h = (x + delta).contiguous()
+    return h, rms_norm_reference(h, weight, eps)
+
+
+@torch.library.custom_op("qvl::rms_norm", mutates_args=(), device_types=("cpu", "cuda"))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` as transformers' ``Qwen2RMSNorm``:
+    ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: ``(N, C)`` fp16/bf16/fp32, last dim contiguous (row stride free). ``1 <= C <= MAX_NORM_DIM``;
+            N may be 0.
+        weight: contiguous ``(C,)`` in x's dtype (a checkpoint's parameters in the tower's dtype), on x's
+            device. (transformers with an fp32 weight over 16-bit activations would return fp32: not
+            supported; cast the weight.)
+        eps: finite, > 0 (Qwen2.5-VL's vision tower uses 1e-6, transformers' default).
+
+    Returns a new contiguous ``(N, C)`` tensor in x's dtype. The mean square and ``x * rstd`` in fp32,
+    rounded to x's dtype, then the weight's product rounded again: the two roundings transformers makes
+    (see the module docstring). Nothing is mutated. Forward only (no autograd).
+    """
+    check_norm_args("rms_norm", x, weight, None, eps)
+    if backend_for(x.device) == "torch":
+        return rms_norm_reference(x, weight, eps)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, None, None, weight, y, eps)
+    return y
+
+
+@rms_norm.register_fake
+def _(x, weight, eps=1e-6):
+    check_norm_args("rms_norm", x, weight, None, eps)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("qvl::add_rms_norm", mutates_args=(), device_types=("cpu", "cuda"))
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the following RMSNorm: returns ``(h, rms_norm(h))`` with ``h = x + delta``.
+
+    Args:
+        x, delta: ``(N, C)`` of one dtype (fp16/bf16/fp32) and device, last dim contiguous (row strides
+            free). ``1 <= C <= MAX_NORM_DIM``.
+        weight, eps: as for :func:`rms_norm`.
+
+    ``h`` is rounded to x's dtype exactly as eager ``x + delta`` rounds it (fp32 add, one rounding) and
+    the norm is computed from that rounded ``h``, so the pair equals eager ``h = x + delta; norm(h)``
+    within the norm's own rounding. Returns two new contiguous ``(N, C)`` tensors; nothing is mutated.
+    One kernel reads x and delta once and writes h and the norm once. Forward only.
+    """
+    check_norm_args("add_rms_norm", x, weight, None, eps, delta)
+    if backend_for(x.device) == "torch":
+        return add_rms_norm_reference(x, delta, weight, eps)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, delta, h, weight, y, eps)
+    return h, y
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps=1e-6):
+    check_norm_args("add_rms_norm", x, weight, None, eps, delta)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)

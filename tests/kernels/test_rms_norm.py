@@ -1,0 +1,183 @@
+"""torch.ops.qvl.rms_norm / add_rms_norm against float64 ground truth and transformers' Qwen2.5-VL RMSNorm.
+
+Each op runs on its default path (the Triton interpreter on CPU, compiled Triton on a GPU) and on the
+torch path (the ``backend`` fixture). Errors are held to the suite's rule (tolerance.py): at most twice
+the error of transformers' ``Qwen2_5_VLRMSNorm`` (``Qwen2RMSNorm``: the norm of Qwen2.5-VL's vision
+blocks and merger ``ln_q``) in the same dtype, plus two units of the dtype's resolution at the output's
+scale. The torch path is transformers' forward op for op, so it must match the module bit for bit.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+from conftest import norm_params, row_strided
+from qvl.kernels import force_backend
+from qvl.kernels.layer_norm import MAX_NORM_DIM
+from qvl.kernels.rms_norm import rms_norm_reference
+from tolerance import assert_error_within, resolution
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def hf_norm(weight: torch.Tensor, eps: float = 1e-6) -> Qwen2_5_VLRMSNorm:
+    """transformers' module holding ``weight`` (in weight's dtype and device)."""
+    module = Qwen2_5_VLRMSNorm(weight.shape[0], eps=eps).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    return module.eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(257, 72), (33, 1000), (5, 1280), (3, 1)])
+def test_rms_norm(dtype, shape, backend, device):
+    torch.manual_seed(0)
+    rows, cols = shape
+    # An offset mean: RMSNorm does not center, so the mean is part of the scale.
+    x = row_strided(rows, cols, dtype, device, scale=2.0, shift=1.0)
+    weight, _ = norm_params(cols, dtype, device)
+    y = torch.ops.qvl.rms_norm(x, weight, 1e-6)
+    assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+
+    truth = rms_norm_reference(x.double(), weight.double(), 1e-6)
+    with torch.no_grad():
+        eager = hf_norm(weight)(x)
+    assert_error_within(y, truth, eager, what="rms_norm")
+    if backend == "torch":
+        assert torch.equal(y, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(dtype, backend, device):
+    torch.manual_seed(1)
+    x = row_strided(200, 72, dtype, device, scale=3.0)
+    delta = row_strided(200, 72, dtype, device, pad=3)
+    weight, _ = norm_params(72, dtype, device)
+    h, y = torch.ops.qvl.add_rms_norm(x, delta, weight, 1e-6)
+    assert h.is_contiguous() and y.is_contiguous() and h.dtype == y.dtype == dtype
+
+    if dtype == torch.bfloat16 and backend == "interpreter":
+        # The add in fp32, then the interpreter rounds to bf16 toward zero where torch rounds to nearest: one ulp.
+        torch.testing.assert_close(h, x + delta, rtol=resolution(dtype), atol=0)
+    else:
+        assert torch.equal(h, x + delta)
+    # The norm is of the stored, rounded sum: transformers' block, ``h = h + attn(...); norm2(h)``.
+    truth = rms_norm_reference(h.double(), weight.double())
+    with torch.no_grad():
+        assert_error_within(y, truth, hf_norm(weight)(h), what="add_rms_norm")
+
+
+def test_add_rms_norm_normalizes_rounded_sum(backend, device):
+    """fp16 near 1000 has a spacing of 0.5: rounding x + delta there changes the norm visibly (the row's
+    mean is most of it), and the op must give eager ``norm(x + delta)``, not the norm of the exact sum."""
+    torch.manual_seed(2)
+    x = (1000.0 + 30.0 * torch.randn(64, 96, device=device)).half()
+    delta = (0.3 * torch.randn(64, 96, device=device)).half()
+    weight, _ = norm_params(96, torch.float16, device)
+    _, y = torch.ops.qvl.add_rms_norm(x, delta, weight, 1e-6)
+    rounded_sum = x + delta
+    truth = rms_norm_reference(rounded_sum.double(), weight.double())
+    with torch.no_grad():
+        assert_error_within(y, truth, hf_norm(weight)(rounded_sum), what="norm of the rounded sum")
+    exact_sum = rms_norm_reference(x.float() + delta.float(), weight.float())
+    assert (y.float() - exact_sum).abs().max() > 1e-3
+
+
+def test_weight_multiplies_after_the_cast(backend, device):
+    """transformers rounds the normalized row to the input dtype, then multiplies by the weight (rounding
+    again). In fp16 (which the interpreter, like torch, rounds to nearest) the op reproduces that: it matches
+    the module almost everywhere, where one rounding of ``weight * normalized`` differs at a quarter of the
+    elements."""
+    torch.manual_seed(3)
+    x = (3.0 * torch.randn(200, 96, device=device)).half()
+    weight, _ = norm_params(96, torch.float16, device)
+    y = torch.ops.qvl.rms_norm(x, weight, 1e-6)
+    with torch.no_grad():
+        eager = hf_norm(weight)(x)
+    h = x.float()
+    rounded_once = (weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
+    assert (rounded_once != eager).float().mean() > 0.1
+    assert (y != eager).float().mean() < 0.01
+
+
+def test_empty_rows(backend, device):
+    x = torch.empty(0, 72, device=device)
+    weight, _ = norm_params(72, torch.float32, device)
+    assert torch.ops.qvl.rms_norm(x, weight).shape == (0, 72)
+    h, y = torch.ops.qvl.add_rms_norm(x, x, weight)
+    assert h.shape == y.shape == (0, 72)
+
+
+def opcheck_cases(device):
+    torch.manual_seed(8)
+    x = row_strided(24, 40, torch.float32, device)
+    delta = row_strided(24, 40, torch.float32, device, pad=1)
+    weight, _ = norm_params(40, torch.float32, device)
+    return {
+        "rms_norm": (torch.ops.qvl.rms_norm.default, (x, weight, 1e-6)),
+        "add_rms_norm": (torch.ops.qvl.add_rms_norm.default, (x, delta, weight, 1e-5)),
+    }
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "add_rms_norm"])
+def test_opcheck(case, device):
+    op, args = opcheck_cases(device)[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_dynamic_rows_no_recompile(path, device):
+    """A Qwen2.5-VL block's norms (``norm1``, then the residual add fused with ``norm2``) compiled whole: one
+    graph serves every token count."""
+    torch.manual_seed(9)
+    weight1, _ = norm_params(72, torch.float32, device)
+    weight2, _ = norm_params(72, torch.float32, device)
+
+    def block_norms(x, attn_out):
+        normed1 = torch.ops.qvl.rms_norm(x, weight1, 1e-6)
+        h, normed2 = torch.ops.qvl.add_rms_norm(x, attn_out, weight2, 1e-6)
+        return normed1, h, normed2
+
+    def block_norms_in_torch(x, attn_out):
+        h = x + attn_out
+        return rms_norm_reference(x, weight1.to(x.dtype)), h, rms_norm_reference(h, weight2.to(x.dtype))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block_norms, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        # Row counts unlike every other size in play, so duck sizing ties no symbol to them.
+        for index, rows in enumerate((67, 101)):
+            x, attn_out = torch.randn(rows, 72, device=device), torch.randn(rows, 72, device=device)
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = compiled(x, attn_out)
+            truth = block_norms_in_torch(x.double(), attn_out.double())
+            assert_error_within(got, truth, block_norms_in_torch(x, attn_out), what=f"{rows} rows")
+
+
+RN, ARN = torch.ops.qvl.rms_norm, torch.ops.qvl.add_rms_norm
+BAD_INPUTS = {
+    "rn_x_1d": (lambda x, w, b: RN(x[0], w), ValueError, "rms_norm: x must be 2-D"),
+    "rn_weight_len": (lambda x, w, b: RN(x, w[:8]), ValueError, "weight must have shape"),
+    "rn_weight_2d": (lambda x, w, b: RN(x, w[None]), ValueError, "weight must be 1-D"),
+    "rn_weight_dtype": (lambda x, w, b: RN(x, w.half()), TypeError, "weight must have x's dtype"),
+    "rn_x_float64": (lambda x, w, b: RN(x.double(), w.double()), TypeError, "x must be one of"),
+    "rn_x_strided_cols": (lambda x, w, b: RN(x.t(), w[:8]), ValueError, "x must have a contiguous last"),
+    "rn_eps_zero": (lambda x, w, b: RN(x, w, 0.0), ValueError, "eps must be a finite number > 0"),
+    "rn_eps_nan": (lambda x, w, b: RN(x, w, float("nan")), ValueError, "eps must be a finite number > 0"),
+    "rn_too_wide": (lambda x, w, b: RN(x.new_empty(1, MAX_NORM_DIM + 1), w), ValueError, "normalized dim"),
+    "arn_delta_shape": (lambda x, w, b: ARN(x, x[:4], w), ValueError, "add_rms_norm: delta must have x's shape"),
+    "arn_delta_dtype": (lambda x, w, b: ARN(x, x.half(), w), TypeError, "delta must have x's dtype"),
+    "arn_delta_strided": (lambda x, w, b: ARN(x[:, :8], x.t()[:8], w[:8]), ValueError, "delta must have a contig"),
+    "arn_eps_inf": (lambda x, w, b: ARN(x, x, w, float("inf")), ValueError, "eps must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs(case, argument_check_inputs):
+    call, error, match = BAD_INPUTS[case]
+    with pytest.raises(error, match=match):
+        call(**argument_check_inputs)

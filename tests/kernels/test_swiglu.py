@@ -1,0 +1,156 @@
+"""torch.ops.qvl.bias_swiglu against float64 ground truth, eager torch in the same dtype and transformers'
+``Qwen2_5_VLMLP``.
+
+Each op runs on its default path (the Triton interpreter on CPU, compiled Triton on a GPU) and on the
+torch path (the ``backend`` fixture). Errors are held to the suite's rule (tolerance.py): at most twice
+eager torch's (or the transformers module's) own error in the dtype, plus two units of the dtype's
+resolution at the output's scale.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+from conftest import row_strided
+from qvl.kernels import force_backend
+from qvl.kernels.swiglu import bias_swiglu_reference
+from tolerance import assert_error_within
+from towers import float64_copy
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# silu's exp2 overflows to inf for large negative inputs by design (the result is then -0); numpy, under
+# the interpreter, warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
+
+def swiglu_inputs(rows, cols, dtype, device, pad=(7, 3)):
+    """Row-strided gate and up and their biases; gate's first row holds silu's tails (where exp2 of -g
+    overflows fp32, and where silu is the identity)."""
+    gate = row_strided(rows, cols, dtype, device, scale=3.0, pad=pad[0])
+    up = row_strided(rows, cols, dtype, device, scale=2.0, pad=pad[1])
+    extremes = torch.tensor([-1e4, -100.0, -40.0, -10.0, -0.01, 0.0, 5.0, 40.0, 1e4], device=device)
+    gate[0, : extremes.numel()] = extremes.to(dtype)
+    gate_bias = (0.5 * torch.randn(cols, device=device)).to(dtype)
+    gate_bias[: extremes.numel()] = 0
+    up_bias = (0.5 * torch.randn(cols, device=device)).to(dtype)
+    return gate, up, gate_bias, up_bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_swiglu(dtype, backend, device):
+    torch.manual_seed(3)
+    gate, up, gate_bias, up_bias = swiglu_inputs(96, 300, dtype, device)
+    y = torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
+    assert y.shape == gate.shape and y.dtype == dtype and y.is_contiguous()
+    truth = bias_swiglu_reference(gate.double(), up.double(), gate_bias.double(), up_bias.double())
+    eager = F.silu(gate + gate_bias) * (up + up_bias)
+    # Outputs of gate = 1e4 and 40 are compared apart, so that their scale does not set the eps of the rest.
+    large = (gate.float() + gate_bias.float()) >= 40
+    assert_error_within(y[large], truth[large], eager[large], what="bias_swiglu, large gate")
+    assert_error_within(y[~large], truth[~large], eager[~large], what="bias_swiglu")
+
+
+def test_stacked_gemm_halves(backend, device):
+    """The two column halves of one (N, 2F) GEMM output (row stride 2F) give what two tensors give."""
+    torch.manual_seed(4)
+    stacked = torch.randn(50, 2 * 136, device=device, dtype=torch.bfloat16)
+    gate_bias, up_bias = torch.randn(2, 136, device=device, dtype=torch.bfloat16)
+    gate, up = stacked[:, :136], stacked[:, 136:]
+    y = torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
+    assert torch.equal(y, torch.ops.qvl.bias_swiglu(gate.contiguous(), up.contiguous(), gate_bias, up_bias))
+    before = stacked.clone()
+    torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
+    assert torch.equal(stacked, before)
+
+
+def tiny_mlp(dtype, device) -> Qwen2_5_VLMLP:
+    """transformers' Qwen2.5-VL vision MLP (``bias=True`` as in its vision blocks, ``hidden_act="silu"``)
+    with random weights and biases."""
+    config = Qwen2_5_VLVisionConfig(hidden_size=72, intermediate_size=136, hidden_act="silu")
+    mlp = Qwen2_5_VLMLP(config, bias=True)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.copy_(0.2 * torch.randn_like(param))
+    return mlp.to(device=device, dtype=dtype).eval()
+
+
+def qvl_mlp(mlp: Qwen2_5_VLMLP, x: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """``mlp``'s forward on qvl's op: bias-less gate and up GEMMs (or one over the stacked weights), the
+    fused biases + SwiGLU, then down_proj."""
+    if stacked:
+        width = mlp.gate_proj.weight.shape[0]
+        gate_up = x @ torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+    else:
+        gate, up = x @ mlp.gate_proj.weight.t(), x @ mlp.up_proj.weight.t()
+    h = torch.ops.qvl.bias_swiglu(gate, up, mlp.gate_proj.bias, mlp.up_proj.bias)
+    return mlp.down_proj(h)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["two_gemms", "stacked_gemm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_transformers_mlp(dtype, stacked, backend, device):
+    torch.manual_seed(5)
+    mlp = tiny_mlp(dtype, device)
+    x = torch.randn(120, 72, device=device).to(dtype)
+    with torch.no_grad():
+        got = qvl_mlp(mlp, x, stacked)
+        truth, eager = float64_copy(mlp)(x.double()), mlp(x)
+    assert_error_within(got, truth, eager, what="Qwen2_5_VLMLP on bias_swiglu")
+
+
+def test_empty_rows(backend, device):
+    x = torch.empty(0, 72, device=device)
+    bias = torch.zeros(72, device=device)
+    assert torch.ops.qvl.bias_swiglu(x, x, bias, bias).shape == (0, 72)
+
+
+def test_opcheck(device):
+    torch.manual_seed(8)
+    gate, up, gate_bias, up_bias = swiglu_inputs(24, 40, torch.float32, device)
+    torch.library.opcheck(torch.ops.qvl.bias_swiglu.default, (gate, up, gate_bias, up_bias))
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_dynamic_rows_no_recompile(path, device):
+    """The Qwen2.5-VL vision MLP on qvl's op, compiled whole: one graph serves every token count."""
+    torch.manual_seed(9)
+    mlp = tiny_mlp(torch.float32, device)
+    mlp64 = float64_copy(mlp)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: qvl_mlp(mlp, x, stacked=True), fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context, torch.no_grad():
+        # Row counts unlike every other size in play, so duck sizing ties no symbol to them.
+        for index, rows in enumerate((67, 101)):
+            x = torch.randn(rows, 72, device=device)
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = compiled(x)
+            assert_error_within(got, mlp64(x.double()), mlp(x), what=f"{rows} rows")
+
+
+SW = torch.ops.qvl.bias_swiglu
+BAD_INPUTS = {
+    "gate_1d": (lambda x, w, b: SW(x[0], x[0], b, b), ValueError, "bias_swiglu: gate must be 2-D"),
+    "gate_float64": (lambda x, w, b: SW(x.double(), x.double(), b.double(), b.double()), TypeError, "gate must be one"),
+    "gate_strided_cols": (lambda x, w, b: SW(x.t()[:8], x[:, :8], b[:8], b[:8]), ValueError, "gate must have a contig"),
+    "up_strided_cols": (lambda x, w, b: SW(x[:, :8], x.t()[:8], b[:8], b[:8]), ValueError, "up must have a contig"),
+    "up_shape": (lambda x, w, b: SW(x, x[:4], b, b), ValueError, "up must have gate's shape"),
+    "up_dtype": (lambda x, w, b: SW(x, x.half(), b, b), TypeError, "up must have gate's dtype"),
+    "gate_bias_len": (lambda x, w, b: SW(x, x, b[:8], b), ValueError, r"gate_bias must have shape \(F,\)"),
+    "up_bias_len": (lambda x, w, b: SW(x, x, b, b[:8]), ValueError, r"up_bias must have shape \(F,\)"),
+    "gate_bias_dtype": (lambda x, w, b: SW(x, x, b.half(), b), TypeError, "gate_bias must have gate's dtype"),
+    "up_bias_2d": (lambda x, w, b: SW(x, x, b, b[None]), ValueError, "up_bias must be 1-D"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs(case, argument_check_inputs):
+    call, error, match = BAD_INPUTS[case]
+    with pytest.raises(error, match=match):
+        call(**argument_check_inputs)
