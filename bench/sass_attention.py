@@ -13,8 +13,9 @@ the SASS from the target of its backward branch to that branch) its instruction 
 instructions (spills paid on every key block), 2-byte scalar global loads (``LDG.E.U16``: rows fetched
 element by element) and asynchronous copies into shared memory (``LDGSTS``; ``UTMALDG`` for TMA).
 ``--layout offset`` shifts the qkv buffer by one element, the path for layouts whose rows are not all
-16-byte aligned. Numbers of the compiler, not timings: they guide tile and fusion choices until a device
-measures them.
+16-byte aligned. ``--max-seqlen 64`` compiles the launch of window attention instead (segments of 64 tokens
+with that ``max_seqlen`` hint, which selects the short-segment tiles). Numbers of the compiler, not timings:
+they guide tile and fusion choices until a device measures them.
 """
 
 from __future__ import annotations
@@ -63,16 +64,20 @@ def stand_in_launches(
     layout: str = "packed",
     dtype: torch.dtype = torch.bfloat16,
     target: GPUTarget = HOPPER,
+    max_seqlen: int | None = None,
 ) -> list[KernelLaunch]:
     """The launches ``vision_attn`` makes for the tower's call (rotary for k with rope, then attention),
-    built on CPU tensors."""
+    built on CPU tensors; with ``max_seqlen``, for windows of that many tokens given as the hint."""
     offset = LAYOUTS.index(layout)  # "offset": the buffer starts one element past a 16-byte boundary
     buffer = torch.empty(offset + NUM_TOKENS * 3 * NUM_HEADS * head_dim, dtype=dtype)
     q, k, v = buffer[offset:].view(NUM_TOKENS, 3, NUM_HEADS, head_dim).unbind(1)
     out = torch.empty(q.shape, dtype=dtype)
-    cu_seqlens = torch.tensor([0, NUM_TOKENS // 4, NUM_TOKENS], dtype=torch.int32)
+    if max_seqlen is None:
+        cu_seqlens = torch.tensor([0, NUM_TOKENS // 4, NUM_TOKENS], dtype=torch.int32)
+    else:
+        cu_seqlens = torch.tensor([*range(0, NUM_TOKENS, max_seqlen), NUM_TOKENS], dtype=torch.int32)
     positions = torch.zeros(NUM_TOKENS, 2, dtype=torch.int32) if rotate_q else None
-    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, target)
+    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, target, max_seqlen)
 
 
 def key_loop(instructions: list[tuple[int, str]]) -> list[str]:
@@ -114,16 +119,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 72, 80, 128])
     parser.add_argument("--layout", choices=LAYOUTS, default="packed")
+    parser.add_argument("--max-seqlen", type=int, default=None, help="window length given as the tile hint")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
     args = parser.parse_args(argv)
     if not args.json:
-        print(f"Triton {triton.__version__}, sm_90, bf16, {args.layout} qkv (T={NUM_TOKENS}, H={NUM_HEADS})")
+        segments = "" if args.max_seqlen is None else f", windows of {args.max_seqlen} as max_seqlen"
+        print(f"Triton {triton.__version__}, sm_90, bf16, {args.layout} qkv (T={NUM_TOKENS}, H={NUM_HEADS}{segments})")
         print("| " + " | ".join(COLUMNS.values()) + " |")
         print("|" + "---|" * len(COLUMNS))
     for head_dim in args.head_dim:
         for rotate_q in (False, True):
             row = {"head_dim": head_dim, "rope": rotate_q}
-            attention_launch = stand_in_launches(head_dim, rotate_q, args.layout)[-1]
+            attention_launch = stand_in_launches(head_dim, rotate_q, args.layout, max_seqlen=args.max_seqlen)[-1]
             row.update(inspect(compile_launch(attention_launch, HOPPER)))
             line = json.dumps(row) if args.json else "| " + " | ".join(str(row[key]) for key in COLUMNS) + " |"
             print(line, flush=True)

@@ -7,6 +7,12 @@ programs, and each program finds its segment by a binary search over ``cu_seqlen
 No ``max_seqlen`` is needed and nothing is read back to the host, so the op behaves the same under
 CUDA graphs and torch.compile whatever the image sizes.
 
+``max_seqlen``, a host int the caller's metadata already holds (the longest image, or the window length of
+Qwen2.5-VL's window attention), is a tile hint: when every segment is at most :data:`SHORT_SEGMENT_MAX`
+tokens, 16-bit head dims up to 128 take 64-row query tiles instead of 128-row ones, so a 64-token window is
+one tile rather than half of one (:func:`launch_work` counts the matmul work a launch executes). The program
+mapping is the same for every tile, so a hint smaller than a real segment is still correct, only slower.
+
 Head dims that are not a power of two are tiled as a power-of-two main part plus a narrow tail
 (72 = 64 + 16-wide tail holding 8 live columns), so the dot products do 80/72 of the needed work
 where padding to 128 would do 128/72.
@@ -31,7 +37,9 @@ program leaves the loop as it is without rope (``python -m bench.sass_attention`
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,14 +63,19 @@ from .tiles import aligned_stride, rope_apply, rope_cos_sin, rope_dim_tables
 
 __all__ = [
     "MAX_HEAD_DIM",
+    "SHORT_SEGMENT_MAX",
+    "AttentionWork",
     "head_dim_tiles",
     "launch_config",
+    "launch_work",
     "vision_attn",
     "vision_attn_launches",
     "vision_attn_reference",
 ]
 
 MAX_HEAD_DIM = 256
+# A ``max_seqlen`` hint at most this long selects the short-segment tiles (see launch_config).
+SHORT_SEGMENT_MAX = 64
 
 
 def head_dim_tiles(head_dim: int) -> tuple[int, int]:
@@ -246,28 +259,74 @@ def _vision_attn_kernel(
             )
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget) -> dict:
+def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
     """Everything the attention launch passes besides tensors, scalars and per-call flags (rope on q,
     64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining and compile options for
-    ``head_dim`` in ``dtype`` on ``target`` (see :func:`qvl.kernels.common.device_target`).
+    ``head_dim`` in ``dtype`` on ``target`` (see :func:`qvl.kernels.common.device_target`), given the
+    caller's ``max_seqlen`` hint (a host int or None; only its class matters: None or longer than
+    :data:`SHORT_SEGMENT_MAX`, or not).
 
     fp32 tiles, and 16-bit ones wider than 128, are halved so their staged copies fit the 227 KiB of shared
     memory a Hopper block may use; fp32 tiles wider than 128 (136 KiB at 64 x 32) are quartered again where
     a block may use less (99 KiB on sm_86, sm_89, sm_12x). tests/kernels/test_cuda_compile.py compiles them
     for sm_90 and sm_89 and checks. The interpreter ignores warps, stages and options.
+
+    Short segments (a hint of at most 64: Qwen2.5-VL's 112-pixel windows are 8 x 8 patches) take 64 x 64
+    tiles with one warpgroup in 16-bit dtypes up to D 128 (the others are 64 rows already): a 64-token
+    window is then exactly one query tile and one key block, where 128-row tiles execute twice the useful
+    matmul work. Longer segments keep 128-row tiles, which load each key/value block once per 128 queries;
+    from 65 tokens up 64-row tiles save little work anyway (none up to 128 tokens: both cover
+    ``ceil(S / 64) * 64`` keys for 128 query rows).
     """
     main, tail = head_dim_tiles(head_dim)
+    short = max_seqlen is not None and max_seqlen <= SHORT_SEGMENT_MAX
     if dtype == torch.float32 or main + tail > 128:
         tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
         budget = shared_memory_per_block(target)
         if dtype == torch.float32 and main + tail > 128 and budget is not None and budget < 136 * 1024:
             tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
+    elif short:
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     else:
         tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(
         HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tiles, **FMA_CONTRACTION,
     )  # fmt: skip
+
+
+class AttentionWork(NamedTuple):
+    """The matmul work of one attention launch per head (see :func:`launch_work`), in flops."""
+
+    executed: int  # what the programs' tl.dot calls multiply, padding included
+    useful: int  # 4 * S**2 * D summed over segments: q.k and p.v of the real rows, keys and columns
+    programs: int  # programs per head in the grid
+    busy_programs: int  # those that own a query tile (the others return after finding their segment)
+
+    @property
+    def ratio(self) -> float:
+        """executed / useful (1.0 for a launch with no work)."""
+        return self.executed / self.useful if self.useful else 1.0
+
+
+def launch_work(cu_seqlens: np.ndarray, config: dict) -> AttentionWork:
+    """The matmul work the attention kernel executes per head for ``cu_seqlens`` (host ints, any sequence)
+    with ``config`` (:func:`launch_config`), against the useful work. A pure function of host data, as the
+    kernel runs it: a segment of S tokens has ``ceil(S / BLOCK_M)`` busy programs, each multiplying a
+    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over ``D_MAIN + D_TAIL``
+    columns, twice (q.k and p.v)."""
+    bounds = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
+    lengths = np.diff(bounds)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    width = config["D_MAIN"] + config["D_TAIL"]
+    tiles = -(-lengths // block_m)
+    keys = -(-lengths // block_n) * block_n
+    return AttentionWork(
+        executed=int((tiles * block_m * keys).sum()) * width * 4,
+        useful=int((lengths * lengths).sum()) * config["HEAD_DIM"] * 4,
+        programs=int(bounds[-1]) // block_m + lengths.size if lengths.size else 0,
+        busy_programs=int(tiles.sum()),
+    )
 
 
 def _needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
@@ -285,11 +344,13 @@ def vision_attn_launches(
     positions: torch.Tensor | None,
     rope_theta: float,
     target: GPUTarget,
+    max_seqlen: int | None = None,
 ) -> list[KernelLaunch]:
     """The launches :func:`vision_attn` runs, in order, for checked arguments and its output ``out``
     (contiguous ``(T, H, D)``, written by the last launch): with ``positions``, the rotary kernel rotating
-    k into a scratch tensor allocated here, then the attention kernel. Empty when there is nothing to do.
-    Reads shapes, strides and data pointers only (no device sync)."""
+    k into a scratch tensor allocated here, then the attention kernel, tiled for the ``max_seqlen`` hint.
+    Empty when there is nothing to do. Reads shapes, strides, data pointers and the host int ``max_seqlen``
+    only (no device sync)."""
     num_tokens, num_heads, head_dim = q.shape
     num_segments = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_heads == 0 or num_segments == 0:
@@ -301,7 +362,7 @@ def vision_attn_launches(
         k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target)
         k = k_rotated
-    config = launch_config(head_dim, q.dtype, target)
+    config = launch_config(head_dim, q.dtype, target, max_seqlen)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
     args = (
@@ -398,7 +459,13 @@ def vision_attn(
             head strides free: ``qkv.view(T, 3, H, D).unbind(1)`` views work without copies). D <= 256.
         cu_seqlens: int32 ``(B + 1,)`` on q's device: 0, non-decreasing, ends at T. Zero-length
             segments and T = 0 are fine.
-        max_seqlen: optional hint, unused by the launch (the grid is derived from T, B and H).
+        max_seqlen: optional tile hint: a host int bounding the segment lengths, e.g. the metadata's
+            ``max_seqlen`` or the window length of window attention (None: no bound). At most 64 picks
+            64-row query tiles in 16-bit dtypes (see :func:`launch_config`); nothing else depends on it.
+            It is never checked against ``cu_seqlens`` (that would need the values): a hint smaller than a
+            real segment still gives correct results, that segment just runs on more, smaller tiles. The
+            result may differ with the hint only by rounding order (the key-block size of the online
+            softmax).
         softmax_scale: defaults to ``D ** -0.5``.
         positions: optional int32 ``(T, 2)`` (row, col) per token: apply Qwen3-VL's 2D rotary embedding
             (same result as :func:`rotary_2d` first). q is rotated as the kernel loads it; k once, into a
@@ -416,7 +483,9 @@ def vision_attn(
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     target = device_target(q.device)
-    run_launches(vision_attn_launches(q, k, v, out, cu_seqlens, softmax_scale, positions, rope_theta, target), q.device)
+    hint = None if max_seqlen is None else int(max_seqlen)
+    launches = vision_attn_launches(q, k, v, out, cu_seqlens, softmax_scale, positions, rope_theta, target, hint)
+    run_launches(launches, q.device)
     return out
 
 

@@ -13,6 +13,10 @@ The layouts are transformers' (``transformers.vision_utils``), in merge-block to
 * ``interp_indices`` / ``interp_weights``: the bilinear, align-corners resampling of the learned
   ``num_grid_per_side ** 2`` position table (``get_vision_interpolation_indices_and_weights``), with
   the same fp32 arithmetic, so the weights are bit-identical to transformers'.
+
+For Qwen2.5-VL's window attention, :func:`build_window_metadata` gives transformers'
+``get_vision_window_index`` (the merge-unit permutation into window order and ``cu_window_seqlens``),
+the inverse permutation and the longest window, the same way: numpy, once per batch.
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["VisionMetadata", "build_metadata", "check_grid", "grid_as_numpy", "to_device"]
+__all__ = [
+    "VisionMetadata",
+    "WindowMetadata",
+    "build_metadata",
+    "build_window_metadata",
+    "check_grid",
+    "grid_as_numpy",
+    "to_device",
+]
 
 # Token counts, segment offsets, positions and table indices all travel as int32.
 _INT32_LIMIT = 2**31
@@ -260,6 +272,119 @@ def build_metadata(
         num_grid_per_side=side,
         token_counts=tuple(token_counts.tolist()),
         merged_token_counts=tuple((token_counts // (merge * merge)).tolist()),
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WindowMetadata:
+    """Per-batch metadata of Qwen2.5-VL's window attention (see :func:`build_window_metadata`).
+
+    Merge units (``spatial_merge_size ** 2`` consecutive tokens, U = T / merge**2 of them) move as wholes.
+
+    Attributes:
+        window_index: int64 ``(U,)``: the merge unit at each position of window order, transformers'
+            ``window_index`` (``x.view(U, merge**2, -1)[window_index]`` puts the tokens in window order).
+        reverse_index: int64 ``(U,)``: its inverse (``argsort(window_index)``), which puts window-ordered
+            merge units (the merger's output) back in the original order.
+        cu_window_seqlens: int32 ``(W + 1,)``: token offsets of the W non-empty windows in window order,
+            transformers' ``cu_window_seqlens`` (duplicates removed as its ``unique_consecutive`` does).
+        max_window_seqlen: the longest window in tokens (Python int, 0 for an empty batch): the
+            ``max_seqlen`` tile hint of ``vision_attn`` on the windowed blocks.
+        window_size: the window side in pixels the layout was built for.
+    """
+
+    window_index: torch.Tensor
+    reverse_index: torch.Tensor
+    cu_window_seqlens: torch.Tensor
+    max_window_seqlen: int
+    window_size: int
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.cu_window_seqlens.shape[0]) - 1
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> WindowMetadata:
+        """A copy with the tensors on ``device``."""
+        device = torch.device(device)
+        return dataclasses.replace(
+            self,
+            window_index=self.window_index.to(device, non_blocking=non_blocking),
+            reverse_index=self.reverse_index.to(device, non_blocking=non_blocking),
+            cu_window_seqlens=self.cu_window_seqlens.to(device, non_blocking=non_blocking),
+        )
+
+
+def build_window_metadata(
+    grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
+    spatial_merge_size: int = 2,
+    window_size: int = 112,
+    patch_size: int = 14,
+    device: torch.device | str | None = None,
+) -> WindowMetadata:
+    """Build the window-attention metadata of one batch on the host and move it to ``device`` once.
+
+    Each frame's ``(h / merge, w / merge)`` grid of merge units is cut into windows of
+    ``window_size // merge // patch_size`` units a side from its top-left corner (the last row and column
+    of windows are smaller where the side is not a multiple); windows are ordered frame by frame, row-major,
+    and units row-major inside a window: transformers' ``get_vision_window_index``, computed without a
+    Python loop over entries, windows or tokens. Every value follows from the shapes: the position of unit
+    (r, c) in window order is closed-form (windows above it and to its left, then its row and column inside
+    its own), so the permutation is one scatter rather than a sort.
+
+    Args are :func:`build_metadata`'s, plus Qwen2.5-VL's ``window_size`` (pixels, 112) and ``patch_size``
+    (14); ``window_size`` must be at least ``spatial_merge_size * patch_size``. Returns a
+    :class:`WindowMetadata`.
+    """
+    merge = _check_positive_int("spatial_merge_size", spatial_merge_size)
+    window_size = _check_positive_int("window_size", window_size)
+    patch_size = _check_positive_int("patch_size", patch_size)
+    side = window_size // merge // patch_size  # transformers' vit_merger_window_size
+    if side < 1:
+        raise ValueError(
+            f"build_window_metadata: window_size {window_size} must be at least spatial_merge_size * patch_size "
+            f"= {merge * patch_size}"
+        )
+    grid = grid_as_numpy(grid_thw)
+    check_grid(grid, merge)
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    # One row per frame (temporal slice): its merge-unit grid and where its units start.
+    temporal = grid[:, 0]
+    rows = np.repeat(grid[:, 1] // merge, temporal)
+    cols = np.repeat(grid[:, 2] // merge, temporal)
+    units = rows * cols
+    unit_starts = np.cumsum(units) - units
+    num_units = int(units.sum())
+    window_rows, window_cols = -(-rows // side), -(-cols // side)
+
+    # Every unit's frame, row and column, then its position in window order.
+    frame = np.repeat(np.arange(units.size), units)
+    within = np.arange(num_units) - unit_starts[frame]
+    row, col = np.divmod(within, cols[frame])
+    window_row, row_in = np.divmod(row, side)
+    window_col, col_in = np.divmod(col, side)
+    height = np.minimum(side, rows[frame] - window_row * side)  # of the unit's window
+    width = np.minimum(side, cols[frame] - window_col * side)
+    position = unit_starts[frame] + window_row * side * cols[frame] + window_col * side * height
+    position += row_in * width + col_in
+    window_index = np.empty(num_units, dtype=np.int64)
+    window_index[position] = np.arange(num_units)
+
+    # Window sizes in window order: frame by frame, row-major; none is empty.
+    windows = window_rows * window_cols
+    owner = np.repeat(np.arange(windows.size), windows)
+    window_row, window_col = np.divmod(np.arange(int(windows.sum())) - (np.cumsum(windows) - windows)[owner],
+                                       window_cols[owner])  # fmt: skip
+    sizes = np.minimum(side, rows[owner] - window_row * side) * np.minimum(side, cols[owner] - window_col * side)
+    cu_window_seqlens = np.zeros(sizes.size + 1, dtype=np.int32)
+    np.cumsum(sizes * (merge * merge), out=cu_window_seqlens[1:])
+
+    return WindowMetadata(
+        window_index=to_device(torch.from_numpy(window_index), device),
+        reverse_index=to_device(torch.from_numpy(position.astype(np.int64, copy=False)), device),
+        cu_window_seqlens=to_device(torch.from_numpy(cu_window_seqlens), device),
+        max_window_seqlen=int(sizes.max(initial=0)) * merge * merge,
+        window_size=window_size,
     )
 
 

@@ -61,16 +61,17 @@ def float64_attention(q, k, v, cu_seqlens, softmax_scale=None, positions=None):
     return vision_attn_reference(q.double(), k.double(), v.double(), cu_seqlens, softmax_scale)
 
 
-def assert_close_to_float64(out, q, k, v, cu_seqlens, softmax_scale=None, positions=None, target=None):
+def assert_close_to_float64(out, q, k, v, cu_seqlens, softmax_scale=None, positions=None, target=None, max_seqlen=None):
     """The suite's rule (tolerance.py): the error against float64 is at most twice that of torch's own
     attention in the same dtype (rotary first, as transformers does, rounding q and k to the dtype), plus
     :func:`online_softmax_ulps` units of the dtype's resolution at the output's scale for the key blocks of
-    the tiles the kernel ran with (``target``: the one it was launched for, default q's device's)."""
+    the tiles the kernel ran with (``target``: the one it was launched for, default q's device's;
+    ``max_seqlen``: the tile hint it was given)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     truth = float64_attention(q, k, v, cu_seqlens, scale, positions)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert torch.isfinite(out).all()
-    block_n = launch_config(q.shape[-1], q.dtype, target or device_target(q.device))["BLOCK_N"]
+    block_n = launch_config(q.shape[-1], q.dtype, target or device_target(q.device), max_seqlen)["BLOCK_N"]
     if positions is not None:
         q, k = rotary_2d_reference(q, k, positions)
     ulps = online_softmax_ulps(cu_seqlens.cpu(), block_n, max_abs_logit(q, k, cu_seqlens, scale))

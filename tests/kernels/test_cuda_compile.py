@@ -71,3 +71,15 @@ def test_head_dim_72_key_loop_fetches_k_and_v_asynchronously(head_dim_72_sass):
     for row in head_dim_72_sass.values():
         assert row["loop_ldg_u16"] == 0, row
         assert row["loop_ldgsts"] + row["loop_utmaldg"] > 0, row
+
+
+@needs_cuobjdump
+def test_window_attention_tiles_keep_the_key_loop_spill_free_and_asynchronous():
+    """Qwen2.5-VL's window attention (D 80, 64-token windows, ``max_seqlen=64``: the 64 x 64 short-segment
+    tiles), without and with rope on q: no local memory in the key loop, K and V fetched asynchronously."""
+    rows = run_compiler("-m", "bench.sass_attention", "--head-dim", "80", "--max-seqlen", "64", "--json")
+    assert [row["rope"] for row in rows] == [False, True], rows
+    for row in rows:
+        assert row["loop_instructions"] > 0 and row["loop_local_memory"] == 0, row
+        assert row["loop_ldg_u16"] == 0 and row["loop_ldgsts"] + row["loop_utmaldg"] > 0, row
+    assert rows[0]["stack_bytes"] == 0, rows
