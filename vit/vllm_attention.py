@@ -5,8 +5,9 @@ many models and calls it with ``query``, ``key``, ``value`` of shape ``(batch, s
 ``(batch, seq, heads * head_size)``), ``cu_seqlens`` (int32 token offsets of the segments, on the device,
 for ``batch == 1``) and ``max_seqlen`` (a CPU scalar some backends read). :class:`QvlEncoderAttention`
 takes its place through ``MMEncoderAttention.register_oot`` and runs each call as one varlen
-``vision_attn`` over the flattened tokens: no ``max_seqlen``, no host sync, a custom op that torch.compile
-and CUDA graphs take whole.
+``vision_attn`` over the flattened tokens: no host sync (vLLM's CPU-side ``max_seqlen``, where it is filled,
+only picks the op's tiles: short windows get short tiles), a custom op that torch.compile and CUDA graphs
+take whole.
 
 Layers qvl does not cover keep vLLM's own forward for every call (decided when the layer is built, logged
 once per reason): fp8 attention, k/v with fewer heads than q, head sizes over 256, dtypes other than
@@ -110,8 +111,23 @@ class QvlEncoderAttention(MMEncoderAttention):
         q, k, v = (t.reshape(batch * seq_len, self.num_heads, self.head_size) for t in (query, key, value))
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=query.device)
-        out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, softmax_scale=self.scale)
+            hint = seq_len
+        else:
+            hint = _host_max_seqlen(max_seqlen, tracing)
+        out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max_seqlen=hint, softmax_scale=self.scale)
         return out.view(query.shape)
+
+
+def _host_max_seqlen(max_seqlen, tracing: bool) -> int | None:
+    """vLLM's ``max_seqlen`` as the op's tile hint (short windows get short tiles), when it is a positive host
+    value: vLLM keeps it a CPU scalar (filled for its flash/triton/flashinfer backends, 0 otherwise), so reading
+    it costs no device sync. Not while torch.compile traces, where reading a tensor would break the graph."""
+    if isinstance(max_seqlen, int):
+        return max_seqlen if max_seqlen > 0 else None
+    if tracing or not isinstance(max_seqlen, torch.Tensor) or max_seqlen.device.type != "cpu":
+        return None
+    value = int(max_seqlen)
+    return value if value > 0 else None
 
 
 def install() -> None:

@@ -126,3 +126,21 @@ def test_compiles_whole_without_recompiles():
             out = compiled(q, k, v, cu_seqlens=cu_seqlens)
         truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
         assert_error_within(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), what=f"compiled {lengths}")
+
+
+def test_vllm_max_seqlen_becomes_the_tile_hint():
+    """Qwen2.5-VL's windows with vLLM's CPU-side max_seqlen (its flash backends fill it): the op gets it as its
+    tile hint (64-token windows run on 64-row tiles) and the result is unchanged by the tolerance rule."""
+    from qvl.vit.vllm_attention import _host_max_seqlen
+
+    assert _host_max_seqlen(torch.tensor(64, dtype=torch.int32), tracing=False) == 64
+    assert _host_max_seqlen(torch.tensor(0), tracing=False) is None  # vLLM's CPU backend leaves it 0
+    assert _host_max_seqlen(torch.tensor(64), tracing=True) is None
+    windows = [64, 16, 0, 48, 1, 64]
+    qvl_layer, vllm_layer = layers(2, 80, torch.float16)
+    q, k, v = vllm_qkv(sum(windows), 2, 80, torch.float16, seed=5)
+    cu_seqlens = cu_seqlens_of(windows)
+    out = qvl_layer(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=torch.tensor(64, dtype=torch.int32))
+    truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
+    ulps = ulps_for(q, k, cu_seqlens, 80**-0.5)
+    assert_error_within(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), ulps=ulps, what="windows")
