@@ -1,4 +1,5 @@
-"""``qvl.vit.patch_model(model)``: run a transformers Qwen3-VL model's vision tower on qvl kernels.
+"""``qvl.vit.patch_model(model)``: run a transformers Qwen3-VL (or Qwen2.5-VL, Qwen2-VL) model's vision tower on
+qvl kernels.
 
 The patch replaces only the ``forward`` of the model's vision module instance with one that runs
 :func:`qvl.vit.model.tower_forward` over the module's *own* parameters. Nothing is copied or renamed,
@@ -21,6 +22,7 @@ from .config import VisionConfig
 from .metadata import build_metadata
 from .model import tower_forward
 from .parallel import make_parallel
+from .qwen2_tower import QWEN2_VISION_MODEL_TYPES, Qwen2TowerConfig, encode_qwen2
 
 __all__ = [
     "ATTENTION_NAME",
@@ -38,8 +40,10 @@ _FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen
 _VISION_MODEL_TYPES = (
     "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder",
 )  # fmt: skip
+# Qwen2.5-VL's and Qwen2-VL's towers (qvl.vit.qwen2_tower): no learned position table; Qwen2.5-VL's attends in windows.
+_QWEN2_FULL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 # The config.model_type of the models patch_model takes (whatever their class: subclasses are welcome).
-SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES + _QWEN2_FULL_MODEL_TYPES + QWEN2_VISION_MODEL_TYPES
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
 ATTENTION_NAME = "qvl_vision"
 
@@ -61,18 +65,20 @@ def _vision_module(model: nn.Module, caller: str) -> nn.Module:
     while isinstance(module, nn.Module) and id(module) not in seen:
         seen.add(id(module))
         model_type = _model_type(module)
-        if model_type in _VISION_MODEL_TYPES:
+        if model_type in _VISION_MODEL_TYPES or model_type in QWEN2_VISION_MODEL_TYPES:
             return module
         visual = getattr(module, "visual", None)
         if model_type in _FULL_MODEL_TYPES and _model_type(visual) in _VISION_MODEL_TYPES:
             return visual
+        if model_type in _QWEN2_FULL_MODEL_TYPES and _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
+            return visual
         inner = getattr(module, "model", None)
         module = getattr(module, "thinker", None) if inner is None else inner
     raise TypeError(
-        f"{caller}: unsupported model {type(model).__name__}; supported: a transformers Qwen3-VL model, recognised by"
-        f" its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: Qwen3-VL, Qwen3.5, their MoE"
-        " variants and Qwen3-Omni-MoE, full, inner or vision models and subclasses), or a module whose .model"
-        " (or .thinker) is one"
+        f"{caller}: unsupported model {type(model).__name__}; supported: a transformers Qwen3-VL, Qwen2.5-VL or"
+        f" Qwen2-VL model, recognised by its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}:"
+        " Qwen3-VL, Qwen3.5, their MoE variants, Qwen3-Omni-MoE, Qwen2.5-VL and Qwen2-VL, full, inner or vision"
+        " models and subclasses), or a module whose .model (or .thinker) is one"
     )
 
 
@@ -119,8 +125,11 @@ class _PatchedForward:
     forward and :func:`unpatch_model` puts it back.
     """
 
-    def __init__(self, visual, replaced_forward, replaced_extra_repr, config: VisionConfig, data_parallel):
+    def __init__(self, visual, replaced_forward, replaced_extra_repr, config, data_parallel, encode=None):
         self.visual = visual
+        # (visual, config, pixels, grid_thw, hidden_states_out) -> (last_hidden_state, merged, deepstack):
+        # Qwen3-VL's tower (config a VisionConfig) or Qwen2.5-VL's / Qwen2-VL's (a Qwen2TowerConfig).
+        self.encode = encode or _encode
         self.replaced_forward = replaced_forward
         self.replaced_extra_repr = replaced_extra_repr
         self.config = config
@@ -197,7 +206,7 @@ class _PatchedForward:
 
         hidden = [] if output_hidden_states else None
         if self.data_parallel is None:
-            last_hidden, merged, deepstack = _encode(self.visual, self.config, hidden_states, grid_thw, hidden)
+            last_hidden, merged, deepstack = self.encode(self.visual, self.config, hidden_states, grid_thw, hidden)
         else:
             last_hidden = None
             merged, deepstack = self.data_parallel.run(
@@ -244,7 +253,8 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     ``model``: a transformers model whose vision tower is Qwen3-VL's, recognised by its ``config.model_type``
     (:data:`SUPPORTED_MODEL_TYPES`: Qwen3-VL, Qwen3.5 and their MoE variants as full models
     (``...ForConditionalGeneration``), inner models (``...Model``), bare vision models and subclasses of them;
-    Qwen3-Omni-MoE's thinker and its vision encoder), or a module whose ``.model`` (or ``.thinker``, as
+    Qwen3-Omni-MoE's thinker and its vision encoder; Qwen2.5-VL and Qwen2-VL, whose towers run on
+    :mod:`qvl.vit.qwen2_tower`, full, inner or vision models), or a module whose ``.model`` (or ``.thinker``, as
     Qwen3-Omni's full model) is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching
     again is harmless and sets the mode anew. ``print(model)`` shows the patch on the vision module;
     :func:`unpatch_model` undoes it.
@@ -277,12 +287,14 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     the vision output's ``last_hidden_state`` is then None (transformers' Qwen3-VL models read only the
     merged and deepstack features). Weight sharding would change the model's parameters, so
     ``parallel="weights"`` raises ValueError: build ``VisionTransformer.from_hf(visual, parallel="weights")``
-    instead.
+    instead. Qwen2.5-VL and Qwen2-VL towers run in one process only: any ``parallel`` raises ValueError for them.
 
     Forward hooks registered with torch on the tower's submodules do not run on qvl's path, which never calls
     the submodules.
     """
     visual = _vision_module(model, "patch_model")
+    if _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
+        return _patch_qwen2(visual, model, parallel)
     config = VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
     if parallel == "weights":
         raise ValueError(
@@ -291,15 +303,32 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
+    _install(visual, config, data_parallel, _encode)
+    return model
+
+
+def _patch_qwen2(visual: nn.Module, model: nn.Module, parallel: str | None) -> nn.Module:
+    """:func:`patch_model` for a Qwen2.5-VL or Qwen2-VL vision tower (single process only, for now)."""
+    config = Qwen2TowerConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
+    if parallel is not None:
+        raise ValueError(
+            f"patch_model: parallel={parallel!r} is not supported for Qwen2.5-VL / Qwen2-VL vision towers yet;"
+            " use parallel=None"
+        )
+    _install(visual, config, None, encode_qwen2)
+    return model
+
+
+def _install(visual: nn.Module, config, data_parallel, encode) -> None:
+    """Put a :class:`_PatchedForward` in the module's forward slot (anew when already patched)."""
     slot, current = _find_patch(visual)
     if current is None:
         replaced_forward, replaced_extra_repr = vars(visual).get(slot), vars(visual).get("extra_repr")
     else:
         replaced_forward, replaced_extra_repr = current.replaced_forward, current.replaced_extra_repr
-    patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, config, data_parallel)
+    patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, config, data_parallel, encode)
     setattr(visual, slot, patched)
     visual.extra_repr = patched.extra_repr
-    return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

@@ -99,19 +99,23 @@ def vision_mlp(
     fc2_weight: torch.Tensor | Product,
     fc2_bias: torch.Tensor,
     all_reduce: AllReduce | None = None,
+    approximate: str = "tanh",
 ) -> torch.Tensor:
-    """transformers' ``Qwen3VLVisionMLP`` forward on qvl ops: ``fc2(gelu_tanh(fc1(x)))``.
+    """transformers' ``Qwen3VLVisionMLP`` forward on qvl ops: ``fc2(gelu_tanh(fc1(x)))`` (other GELUs through
+    ``approximate``, e.g. ``"quick"`` for Qwen2-VL's ``VisionMlp``).
 
     Args:
         x: ``(N, C)``. fc1_weight ``(F, C)``, fc1_bias ``(F,)``, fc2_weight ``(C_out, F)``, fc2_bias
             ``(C_out,)``, all in x's dtype; either weight may be a :data:`Product` instead.
         all_reduce: tensor parallelism as in :func:`patch_merger` (fc1 column-, fc2 row-parallel; the
             partial fc2 product is reduced, then fc2_bias added once).
+        approximate: the GELU as :func:`bias_gelu_` names it: ``"tanh"`` (the default, Qwen3-VL's
+            ``gelu_pytorch_tanh``), ``"none"`` (exact erf) or ``"quick"`` (``x * sigmoid(1.702 x)``).
 
     Returns ``(N, C_out)`` in x's dtype. fc1 runs as a bias-less ``torch.mm`` followed by the in-place
-    :func:`bias_gelu_` with ``approximate="tanh"``.
+    :func:`bias_gelu_` with ``approximate``.
     """
     check_tensor("vision_mlp", "x", x, ndim=2)
     h = _product(x, fc1_weight)
-    torch.ops.qvl.bias_gelu_(h, fc1_bias, "tanh")
+    torch.ops.qvl.bias_gelu_(h, fc1_bias, approximate)
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
