@@ -84,13 +84,16 @@ def set_bytes(case: Case, dtype: torch.dtype) -> int:
 # --------------------------------------------------------------------------------------------------
 # Implementations
 # --------------------------------------------------------------------------------------------------
-def qvl_attn(device: Device, rope: bool = False) -> Bind:
+def qvl_attn(device: Device, rope: bool = False, hint: bool = True) -> Bind:
+    """``hint=False`` leaves out the ``max_seqlen`` tile hint (bench_window shows what it buys)."""
+
     def bind(x: Inputs) -> Callable[[], torch.Tensor]:
         pos = x.positions if rope else None
+        max_seqlen = x.max_seqlen if hint else None
 
         def call() -> torch.Tensor:
             with harness.qvl_path(device):
-                return torch.ops.qvl.vision_attn(x.q, x.k, x.v, x.cu_seqlens, x.max_seqlen, positions=pos)
+                return torch.ops.qvl.vision_attn(x.q, x.k, x.v, x.cu_seqlens, max_seqlen, positions=pos)
 
         return call
 
@@ -126,6 +129,12 @@ def flash_attn_varlen(device: Device) -> Bind:
     return lambda x: lambda: op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
 
 
+# Eager create_block_mask materializes the whole T x T mask (about 10 bytes per query-key pair at its peak,
+# measured on CPU with torch 2.13: 228 GB for bench_window's 147k-token batch); compiled, it evaluates the mask block
+# by block in little memory but compiles once per shape. Eager up to 2**30 pairs (32k tokens, ~11 GB).
+FLEX_EAGER_MASK_PAIRS = 2**30
+
+
 def flex_attention(device: Device) -> Bind:
     harness.require_cuda(device)
     from torch.nn.attention.flex_attention import create_block_mask
@@ -143,7 +152,8 @@ def flex_attention(device: Device) -> Bind:
             lengths = torch.tensor(x.seqlens, device=dev)
             image = torch.repeat_interleave(torch.arange(len(x.seqlens), device=dev), lengths)
             total = len(image)
-            masks[x.seqlens] = create_block_mask(
+            build = create_block_mask if total * total <= FLEX_EAGER_MASK_PAIRS else torch.compile(create_block_mask)
+            masks[x.seqlens] = build(
                 lambda b, h, q_idx, kv_idx: image[q_idx] == image[kv_idx], None, None, total, total, device=dev
             )
         return masks[x.seqlens]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench_attention, bench_merger, bench_pos_embed, bench_rotary, bench_tower, harness
+from . import bench_attention, bench_merger, bench_pos_embed, bench_rotary, bench_tower, bench_window, harness
 from .harness import Report
 
 MODULES = {
@@ -28,6 +28,7 @@ MODULES = {
     "pos_embed": bench_pos_embed,
     "merger": bench_merger,
     "tower": bench_tower,
+    "window": bench_window,  # last: device_check.sh shows the end of the log, and this is the open goal
 }
 
 

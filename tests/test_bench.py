@@ -18,6 +18,7 @@ from bench import (  # noqa: E402
     bench_pos_embed,
     bench_rotary,
     bench_tower,
+    bench_window,
     harness,
     run_all,
 )
@@ -154,8 +155,59 @@ def test_tower_flops_counts_the_8b_tower() -> None:
     assert bench_tower.tower_flops(config, [(1, 64, 64)]) == patch_embed + blocks + mergers
 
 
+def test_window_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data, out = run_cpu(bench_window, tmp_path, capsys)
+    check_meta(data, "window")
+    all_cases = bench_window.cases(CPU, quick=True)
+    assert {c.window for c in all_cases} == {True, False}  # window blocks' segments and full-attention ones
+    names = [case.name for case in all_cases]
+    impls = ("qvl", "qvl no hint", "sdpa/window", "sdpa/batched")
+    check_records(data, {(c, i) for c in names for i in impls}, baseline="sdpa/window")
+    for peer in ("varlen_attn", "flex_attention", "flash_attn"):
+        assert data["skipped"][peer] == "CPU run: torch paths only"
+    for case in all_cases:
+        assert max(case.seqlens) <= 64 if case.window else len(case.seqlens) == len(case.layout.grid_thw)
+        rows = [r for r in data["records"] if r["case"] == case.name]
+        assert {r["work"] for r in rows} == {4 * 16 * 80 * sum(s * s for s in case.seqlens)}
+        hinted, plain = (w for w in data["executed_work"] if w["case"] == case.name)
+        assert (hinted["hint"], plain["hint"]) == (max(case.seqlens), None)
+        for r in rows:
+            if r["impl"] in ("qvl", "qvl no hint"):
+                work = hinted if r["impl"] == "qvl" else plain
+                assert r["note"] == f"exec/useful {work['ratio']:.2f} ({work['tiles']} tiles)"
+    check_table_last(out, names[-1], "sdpa/batched")
+
+
+# Analytic counts of the launch (no kernel runs, no timing): Qwen2.5-VL's head dim 80 in both 16-bit dtypes.
+@pytest.mark.parametrize("dtype", [harness.DTYPES["bf16"], harness.DTYPES["fp16"]], ids=["bf16", "fp16"])
+def test_window_hint_keeps_executed_work_near_useful(dtype) -> None:
+    for layout in bench_window.LAYOUTS.values():
+        window = bench_window.Case(layout, window=True)
+        assert max(window.seqlens) == 64
+        hinted, plain = bench_window.executed_work(window, dtype)
+        assert hinted.hint == 64 and plain.hint is None
+        assert hinted.ratio <= 1.3, hinted
+        assert 1.9 <= plain.ratio <= 2.4, plain  # 128-row tiles half empty; edge windows pad a little more
+        if all(h % 8 == 0 and w % 8 == 0 for _, h, w in layout.grid_thw):  # whole windows only
+            assert (hinted.ratio, plain.ratio) == (1.0, 2.0)
+        # Full-attention segments are longer than 64: the hint selects nothing and nothing changes.
+        full_hinted, full_plain = bench_window.executed_work(bench_window.Case(layout, window=False), dtype)
+        assert full_hinted.ratio == full_plain.ratio <= 1.1 and full_hinted.tiles == full_plain.tiles
+
+
+def test_window_work_table_prints_without_running_kernels(capsys: pytest.CaptureFixture) -> None:
+    assert bench_window.main(["--work", "--device", "cpu"]) is None
+    out = capsys.readouterr().out
+    for layout in bench_window.LAYOUTS.values():
+        for window in (True, False):
+            name = bench_window.Case(layout, window).name
+            assert len(re.findall(rf"^{re.escape(name)}\s", out, re.MULTILINE)) == 2  # with and without the hint
+    assert re.search(r"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+64\s+64x64\s.*\s1\.000$", out, re.MULTILINE)
+    assert re.search(r"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+none\s+128x64\s.*\s2\.000$", out, re.MULTILINE)
+
+
 def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> None:
-    assert list(run_all.MODULES) == ["attention", "rotary", "pos_embed", "merger", "tower"]
+    assert list(run_all.MODULES) == ["attention", "rotary", "pos_embed", "merger", "tower", "window"]
     assert run_all.parse_args(["--only", "tower, pos_embed"]).names == ["tower", "pos_embed"]
     assert run_all.parse_args([]).names == list(run_all.MODULES)
     with pytest.raises(SystemExit):
