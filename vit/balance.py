@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .config import VisionConfig
+from .config import TowerConfig
 from .metadata import grid_as_numpy
 
 __all__ = ["DataPlan", "Grid", "Piece", "SegmentCost", "balance", "greedy_by_patches", "lower_bound"]
@@ -33,16 +33,10 @@ class SegmentCost:
     quadratic: int
 
     @classmethod
-    def from_config(cls, config: VisionConfig) -> SegmentCost:
-        """Per token: patch embed, each block's qkv / proj / fc1 / fc2, and each merger's two linears
-        (run on a quarter of the tokens at four times the width); per pair of tokens in a segment, each
-        block's attention (``q k^T`` and ``p v``: 4 * hidden FLOPs)."""
-        hidden, merged = config.hidden_size, config.merged_width
-        block = 2 * hidden * (4 * hidden + 2 * config.intermediate_size)
-        mergers = (1 + len(config.deepstack_visual_indexes)) * 2 * hidden * (merged + config.out_hidden_size)
-        return cls(
-            linear=2 * config.patch_dim * hidden + config.depth * block + mergers, quadratic=config.depth * 4 * hidden
-        )
+    def from_config(cls, config: TowerConfig) -> SegmentCost:
+        """From any tower config's FLOP counts: ``linear_flops_per_token`` and ``flops_per_token_pair``
+        (:class:`~qvl.vit.config.VisionConfig`, :class:`~qvl.vit.qwen2_tower.Qwen2VisionConfig`)."""
+        return cls(linear=config.linear_flops_per_token, quadratic=config.flops_per_token_pair)
 
     def __call__(self, n: int) -> int:
         return n * (self.linear + self.quadratic * n)

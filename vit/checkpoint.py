@@ -1,7 +1,7 @@
-"""Loading a Qwen3-VL vision tower from a local checkpoint directory.
+"""Loading a Qwen vision tower (Qwen3-VL's family, Qwen2.5-VL's, Qwen2-VL's) from a local checkpoint directory.
 
-A directory holds ``config.json`` (a full Qwen3-VL config with ``vision_config``, or a bare vision
-config) and safetensors weights: ``model.safetensors``, or shards listed in
+A directory holds ``config.json`` (a full model's config with ``vision_config``, Qwen3-Omni's with
+``thinker_config``, or a bare vision config) and safetensors weights: ``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``. Tensor names are transformers': ``model.visual.*`` (current
 layout), ``visual.*`` (older full-model layout) or bare vision names. Only safetensors are read: a
 pickled checkpoint is never loaded.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["CheckpointError", "load_vision_checkpoint", "save_vision_checkpoint"]
+__all__ = ["CheckpointError", "load_vision_checkpoint", "read_config", "save_vision_checkpoint"]
 
 # Where the tower's tensors live: Qwen3-VL's and Qwen3.5's full models, Qwen3-Omni's thinker, a bare tower.
 _PREFIXES = ("model.visual.", "thinker.visual.", "visual.", "")
@@ -71,6 +71,14 @@ def _vision_prefix(names: list[str]) -> str:
     return ""
 
 
+def read_config(path: str | os.PathLike) -> dict:
+    """A checkpoint directory's config.json; raises :class:`CheckpointError` naming the directory or file."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    return _read_json(directory / "config.json")
+
+
 def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a checkpoint directory; returns ``(config dict, vision state dict with bare names)``.
 
@@ -79,9 +87,7 @@ def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, tor
     without vision weights.
     """
     directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
-    config = _read_json(directory / "config.json")
+    config = read_config(directory)
     names_by_file = {file: _tensor_names(file) for file in _weight_files(directory)}
     # Shards split the tower anywhere, so the naming layout is decided over all of them at once.
     prefix = _vision_prefix([name for names in names_by_file.values() for name in names])

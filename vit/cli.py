@@ -4,13 +4,16 @@
 with PyAV) and videos given as folders of frame images, and writes the features to one safetensors file
 (layout in ``ENCODE_EPILOG``).
 
-Inputs are prepared by transformers' Qwen2-VL PIL image processor with Qwen3-VL's settings, so the
-patches are exactly what a Qwen3-VL pipeline feeds the tower. The processor is built locally from the
+Inputs are prepared by transformers' Qwen2-VL PIL image processor with the model family's settings (Qwen3-VL's,
+or Qwen2-VL's for Qwen2-VL and Qwen2.5-VL checkpoints: :class:`Family`), so the patches are exactly what that
+family's pipeline feeds the tower; the tower class comes from the checkpoint's config.json
+(:func:`qvl.vit.towers.tower_class`). The processor is built locally from the
 tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision, and so
 does transformers' video processor. Videos therefore go through the image processor frame by frame, and
 this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`). Video
 files are decoded with PyAV, as transformers' ``read_video_pyav`` does, and sampled as Qwen3-VL's video
-processor samples (:func:`sample_frame_indices`); their sampled frames then take the frame folders' path.
+processor samples (:func:`sample_frame_indices`, or :func:`sample_frame_indices_qwen2` for the Qwen2 family);
+their sampled frames then take the frame folders' path.
 
 Every input is opened and decoded before the model is loaded, and the output is written to a temporary
 file beside the target and renamed over it at the end, so a bad input or a failed run fails early with
@@ -33,9 +36,11 @@ import torch
 
 from qvl.kernels import backend_for
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_config
 from .config import VisionConfig
 from .model import VisionTransformer
+from .qwen2_tower import Qwen2VisionTransformer
+from .towers import tower_class
 
 __all__ = ["EMBEDDED_CONFIG", "build_parser", "main", "sample_frame_indices"]
 
@@ -51,7 +56,12 @@ QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 # Qwen's processors refuse images more elongated than this (smart_resize); checked up front instead.
 MAX_ASPECT_RATIO = 200
-# Qwen3-VL's video processor: frames sampled per second of video, and bounds on the sampled count.
+# Qwen2-VL's and Qwen2.5-VL's image processor: OpenAI CLIP's mean and std, and its smallest image (56x56 pixels).
+QWEN2_VL_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+QWEN2_VL_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+QWEN2_VL_MIN_PIXELS = 56 * 56
+# Qwen3-VL's video processor (Qwen2-VL's samples with the same defaults): frames sampled per second of video, and
+# bounds on the sampled count.
 QWEN3_VL_VIDEO_FPS = 2.0
 QWEN3_VL_MIN_FRAMES = 4
 QWEN3_VL_MAX_FRAMES = 768
@@ -76,16 +86,19 @@ metadata (safetensors string metadata; lists are JSON):
   model      checkpoint dir or "embedded-random"   dtype, backend, deepstack_visual_indexes
 read back with safetensors.safe_open(path, "pt"): .get_tensor("image.0.merged"), .metadata()
 
-preparation is Qwen3-VL's: transformers' Qwen2-VL image processor, patch/temporal/merge sizes from the
-model, mean = std = 0.5, bicubic resize to multiples of patch*merge within [--min-pixels, --max-pixels].
-Qwen3-VL's own bounds are {QWEN3_VL_MIN_PIXELS} (256^2) and {QWEN3_VL_MAX_PIXELS} (4096^2) pixels; the default cap here,
-{DEFAULT_MAX_PIXELS} (512^2), keeps CPU runs practical. Video frames are sized like images and must all be the
-same size; an odd frame count is padded by repeating the last frame, as Qwen's processors do.
+preparation is the model family's (the tower kind is read from --model's config.json): transformers' Qwen2-VL
+image processor, patch/temporal/merge sizes from the model, bicubic resize to multiples of patch*merge within
+[--min-pixels, --max-pixels]. Qwen3-VL (Qwen3.5, Qwen3-Omni): mean = std = 0.5, smallest image {QWEN3_VL_MIN_PIXELS}
+(256^2) pixels, its own cap {QWEN3_VL_MAX_PIXELS} (4096^2); Qwen2-VL and Qwen2.5-VL: OpenAI CLIP's mean and std,
+smallest image {QWEN2_VL_MIN_PIXELS} (56^2). The default cap here, {DEFAULT_MAX_PIXELS} (512^2), keeps CPU runs
+practical. Video frames are sized like images and must all be the same size; an odd frame count is padded by
+repeating the last frame, as Qwen's processors do.
 
 video files (.mp4 .webm .mkv .mov .avi .m4v as positional inputs; any file with --video) are decoded
-with PyAV (pip install av) to RGB and sampled as Qwen3-VL's video processor samples: n = int(frames /
-video_fps * --fps), clamped to [{QWEN3_VL_MIN_FRAMES}, --max-frames] and to the frame count, at frame numbers
-round(linspace(0, frames - 1, n)). Frame folders are used whole (they have no frame rate).
+with PyAV (pip install av) to RGB and sampled as the family's video processor samples: n = frames / video_fps
+* --fps, clamped to [{QWEN3_VL_MIN_FRAMES}, --max-frames] and to the frame count; Qwen3-VL: int(n) frames at
+round(linspace(0, frames - 1, n)); Qwen2-VL / Qwen2.5-VL: n rounded down to whole temporal patches, frames at
+arange(0, frames, frames / n) truncated. Frame folders are used whole (they have no frame rate).
 
 without --model the embedded default runs: a small Qwen3-VL-shaped tower with random weights (seed 0),
 for trying the pipeline on a machine with no checkpoint; its features carry no meaning.
@@ -185,6 +198,55 @@ def sample_frame_indices(
     return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
 
 
+def sample_frame_indices_qwen2(
+    total_frames: int,
+    video_fps: float | None,
+    fps: float = QWEN3_VL_VIDEO_FPS,
+    max_frames: int = QWEN3_VL_MAX_FRAMES,
+    min_frames: int = QWEN3_VL_MIN_FRAMES,
+    temporal_patch_size: int = 2,
+) -> list[int]:
+    """The frame numbers Qwen2-VL's video processor (Qwen2.5-VL's too) samples from a video of ``total_frames``
+    frames at ``video_fps`` (transformers' ``Qwen2VLVideoProcessor.sample_frames`` with ``fps``).
+
+    ``total_frames / video_fps * fps`` frames, at least ``min_frames``, at most ``max_frames`` and ``total_frames``
+    (both first rounded down to a multiple of ``temporal_patch_size``), then rounded down to a multiple of
+    ``temporal_patch_size``, at ``arange(0, total_frames, total_frames / count)`` truncated. A video shorter than
+    one temporal patch, where that count is 0 (transformers raises), keeps all its frames (the last one repeated
+    to fill the patch, as for frame folders).
+    """
+    limit = min(max_frames, total_frames) // temporal_patch_size * temporal_patch_size
+    count = min(max(total_frames / (video_fps or FALLBACK_VIDEO_FPS) * fps, min_frames), limit, total_frames)
+    count = int(count // temporal_patch_size) * temporal_patch_size
+    if count == 0:
+        return list(range(total_frames))
+    return torch.arange(0, total_frames, total_frames / count).int().tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How a model family's processors prepare its inputs: image normalization, the smallest resized image, and
+    how video files are sampled (Qwen3-VL's any frame count, Qwen2-VL's whole temporal patches)."""
+
+    name: str
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    whole_temporal_patches: bool
+
+    def sample(self, total_frames: int, video_fps: float | None, fps: float, max_frames: int, config) -> list[int]:
+        if self.whole_temporal_patches:
+            return sample_frame_indices_qwen2(
+                total_frames, video_fps, fps, max_frames, temporal_patch_size=config.temporal_patch_size
+            )
+        return sample_frame_indices(total_frames, video_fps, fps, max_frames)
+
+
+QWEN3_VL = Family("Qwen3-VL", QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD, QWEN3_VL_MIN_PIXELS, False)
+QWEN2_VL = Family("Qwen2-VL", QWEN2_VL_IMAGE_MEAN, QWEN2_VL_IMAGE_STD, QWEN2_VL_MIN_PIXELS, True)
+_FAMILIES = {VisionTransformer: QWEN3_VL, Qwen2VisionTransformer: QWEN2_VL}
+
+
 def _import_av(path: Path):
     try:
         import av
@@ -247,10 +309,11 @@ def _video_frames(path: Path, keep=None) -> tuple[int, float | None, list]:
     return count, None if rate is None else float(rate), frames
 
 
-def _video_file(name: str, fps: float, max_frames: int) -> _Input:
-    """A video file as an input: decoded once to count its frames, then sampled."""
+def _video_file(name: str, fps: float, max_frames: int, sample=sample_frame_indices) -> _Input:
+    """A video file as an input: decoded once to count its frames, then sampled by ``sample(count, rate, fps,
+    max_frames)``."""
     count, rate, _ = _video_frames(Path(name))
-    indices = sample_frame_indices(count, rate, fps, max_frames)
+    indices = sample(count, rate, fps, max_frames)
     return _Input("video", name, [], {"frames": count, "fps": rate, "indices": indices})
 
 
@@ -282,11 +345,12 @@ def _collect_inputs(
     videos: Sequence[str],
     fps: float = QWEN3_VL_VIDEO_FPS,
     max_frames: int = QWEN3_VL_MAX_FRAMES,
+    sample=sample_frame_indices,
 ) -> list[_Input]:
     inputs = []
     for name in images:
         if Path(name).suffix.lower() in VIDEO_EXTENSIONS:
-            inputs.append(_video_file(name, fps, max_frames))
+            inputs.append(_video_file(name, fps, max_frames, sample))
             continue
         _check_image(Path(name))
         inputs.append(_Input("image", name, [Path(name)]))
@@ -294,7 +358,7 @@ def _collect_inputs(
         if not Path(name).exists():
             raise CliError(f"{name}: no such file or directory")
         if not Path(name).is_dir():
-            inputs.append(_video_file(name, fps, max_frames))
+            inputs.append(_video_file(name, fps, max_frames, sample))
             continue
         frames = _frame_files(Path(name))
         first = _check_image(frames[0])
@@ -327,9 +391,9 @@ def _video_patches(frame_patches: torch.Tensor, num_frames: int, config) -> tupl
 
 
 class _Preparer:
-    """Images and videos -> ``(pixel_values rows, [t, h, w])`` the Qwen3-VL way."""
+    """Images and videos -> ``(pixel_values rows, [t, h, w])`` as ``family``'s processors make them."""
 
-    def __init__(self, config, min_pixels: int, max_pixels: int):
+    def __init__(self, config, min_pixels: int, max_pixels: int, family: Family = QWEN3_VL):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.config = config
@@ -337,8 +401,8 @@ class _Preparer:
             patch_size=config.patch_size,
             temporal_patch_size=config.temporal_patch_size,
             merge_size=config.spatial_merge_size,
-            image_mean=list(QWEN3_VL_IMAGE_MEAN),
-            image_std=list(QWEN3_VL_IMAGE_STD),
+            image_mean=list(family.image_mean),
+            image_std=list(family.image_std),
             min_pixels=min_pixels,
             max_pixels=max_pixels,
         )
@@ -405,7 +469,10 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qvl", description="Qwen3-VL vision tower on qvl's Triton kernels.")
+    parser = argparse.ArgumentParser(
+        prog="qvl",
+        description="Qwen vision towers (Qwen3-VL, Qwen3.5, Qwen3-Omni, Qwen2.5-VL, Qwen2-VL) on qvl's Triton kernels.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     encode = commands.add_parser(
         "encode",
@@ -434,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=QWEN3_VL_VIDEO_FPS,
         metavar="F",
-        help="frames sampled per second of a video file (default: %(default)s, Qwen3-VL's)",
+        help="frames sampled per second of a video file (default: %(default)s, the Qwen processors')",
     )
     encode.add_argument(
         "--max-frames",
@@ -463,9 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument(
         "--min-pixels",
         type=_positive_int,
-        default=QWEN3_VL_MIN_PIXELS,
         metavar="N",
-        help="smallest resized image, in pixels (default: %(default)s, Qwen3-VL's)",
+        help=f"smallest resized image, in pixels (default: the model family's: Qwen3-VL {QWEN3_VL_MIN_PIXELS}, "
+        f"Qwen2-VL and Qwen2.5-VL {QWEN2_VL_MIN_PIXELS})",
     )
     encode.add_argument(
         "--max-pixels",
@@ -488,7 +555,7 @@ def _check_encode_args(args: argparse.Namespace) -> None:
     """Checks argparse cannot express; they exit through the subcommand's usage like its own errors."""
     if not args.images and not args.video:
         args.subparser.error("no inputs (give image or video files and/or --video PATH)")
-    if args.min_pixels > args.max_pixels:
+    if args.min_pixels is not None and args.min_pixels > args.max_pixels:
         args.subparser.error(f"--min-pixels {args.min_pixels} is larger than --max-pixels {args.max_pixels}")
 
 
@@ -511,8 +578,31 @@ def _check_output(path: Path) -> None:
         raise CliError(f"{path.parent}: no such directory (for --output {path})")
 
 
-def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device, parallel: str | None = None):
-    """The tower (in ``parallel`` mode across the default process group) and its name for the metadata."""
+def _model_kind(model: str | None) -> tuple[type, object, Family]:
+    """The tower class, config and family of ``--model`` (from its config.json alone, so that inputs are checked
+    and sampled before any weight is read), or of the embedded default."""
+    if model is None:
+        return VisionTransformer, EMBEDDED_CONFIG, QWEN3_VL
+    try:
+        values = read_config(model)
+        kind = tower_class(values)
+        config = kind.config_class.from_dict(values)
+    except CheckpointError as error:
+        raise CliError(str(error)) from None
+    except (ValueError, TypeError) as error:
+        raise CliError(f"{model}: {error}") from None
+    return kind, config, _FAMILIES[kind]
+
+
+def _load_tower(
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: str | None = None,
+    kind: type = VisionTransformer,
+):
+    """The tower of class ``kind`` (in ``parallel`` mode across the default process group) and its name for the
+    metadata."""
     if model is None:
         full = VisionTransformer(EMBEDDED_CONFIG).init_random_weights(EMBEDDED_SEED)
         if parallel is None:
@@ -524,7 +614,7 @@ def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device, par
         tower.load_full_state_dict(full.state_dict())
         return tower, "embedded-random"
     try:
-        tower = VisionTransformer.from_pretrained(model, dtype=dtype, device=device, parallel=parallel)
+        tower = kind.from_pretrained(model, dtype=dtype, device=device, parallel=parallel)
     except CheckpointError as error:
         raise CliError(str(error)) from None
     # A readable checkpoint can still hold a config or tensors that do not make a tower.
@@ -533,10 +623,14 @@ def _load_tower(model: str | None, dtype: torch.dtype, device: torch.device, par
     return tower, model
 
 
-def _describe(config) -> str:
+def _describe(config, family: Family) -> str:
+    if getattr(config, "windowed", False):
+        extra = f"windows of {config.window_tokens} tokens, full attention in {list(config.fullatt_block_indexes)}"
+    else:
+        extra = f"deepstack {list(config.deepstack_visual_indexes)}"
     return (
-        f"depth {config.depth}, hidden {config.hidden_size}, {config.num_heads} heads, "
-        f"out {config.out_hidden_size}, deepstack {list(config.deepstack_visual_indexes)}"
+        f"{family.name} tower: depth {config.depth}, hidden {config.hidden_size}, {config.num_heads} heads, "
+        f"patch {config.patch_size}, out {config.out_hidden_size}, {extra}"
     )
 
 
@@ -604,21 +698,28 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
         raise CliError(f"--device {device}: {error}") from None
     output = Path(args.output)
     _check_output(output)
-    inputs = _collect_inputs(args.images, args.video, args.fps, args.max_frames)
+    kind, model_config, family = _model_kind(args.model)
 
-    tower, model_name = _load_tower(args.model, dtype, device, args.parallel)
+    def sample(total_frames, video_fps, fps, max_frames):
+        return family.sample(total_frames, video_fps, fps, max_frames, model_config)
+
+    inputs = _collect_inputs(args.images, args.video, args.fps, args.max_frames, sample)
+
+    tower, model_name = _load_tower(args.model, dtype, device, args.parallel, kind)
     config = tower.config
     if args.model is None:
         log(
-            f"model: embedded random default ({_describe(config)}; random weights, seed {EMBEDDED_SEED}: "
+            f"model: embedded random default ({_describe(config, family)}; random weights, seed {EMBEDDED_SEED}: "
             "features carry no meaning; pass --model DIR for a real checkpoint)"
         )
     else:
-        log(f"model: {args.model} ({_describe(config)})")
+        log(f"model: {args.model} ({_describe(config, family)})")
     log(f"backend: {_BACKEND_NAMES[backend]} on {device}, {str(dtype).removeprefix('torch.')}")
     if args.compile:
         tower.compile()
-    prepare = _Preparer(config, args.min_pixels, args.max_pixels)
+    # The family's smallest image, unless --max-pixels is set below it.
+    min_pixels = args.min_pixels if args.min_pixels is not None else min(family.min_pixels, args.max_pixels)
+    prepare = _Preparer(config, min_pixels, args.max_pixels, family)
 
     tensors: dict[str, torch.Tensor] = {}
     grids: list[list[int]] = []

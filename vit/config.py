@@ -1,10 +1,33 @@
-"""The shape of a Qwen3-VL vision tower, read from transformers configs or config.json dicts."""
+"""The shape of a Qwen3-VL vision tower, read from transformers configs or config.json dicts, and what every tower
+config offers the code that serves all tower kinds."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
-__all__ = ["VisionConfig"]
+__all__ = ["QWEN3_FULL_MODEL_TYPES", "QWEN3_VISION_MODEL_TYPES", "TowerConfig", "VisionConfig"]
+
+# config.model_type of the models whose vision tower is Qwen3-VL's (VisionConfig's): full (or Qwen3-Omni's thinker)
+# and vision models.
+QWEN3_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker")
+QWEN3_VISION_MODEL_TYPES = (
+    "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder",
+)  # fmt: skip
+
+
+class TowerConfig(Protocol):
+    """What a strategy reads of a tower's config (:class:`~qvl.vit.config.VisionConfig`, or
+    :class:`~qvl.vit.qwen2_tower.Qwen2VisionConfig`): the widths it splits, the batch layout it checks and the
+    FLOP counts it balances by."""
+
+    num_heads: int
+    intermediate_size: int
+    merged_width: int
+    spatial_merge_size: int
+    patch_dim: int
+    linear_flops_per_token: int
+    flops_per_token_pair: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +80,21 @@ class VisionConfig:
     def patch_dim(self) -> int:
         """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs per token that do not depend on the segment's length (:class:`~qvl.vit.balance.SegmentCost`):
+        patch embed, each block's qkv / proj / fc1 / fc2, and each merger's two linears (run on a quarter of the
+        tokens at four times the width)."""
+        hidden = self.hidden_size
+        block = 2 * hidden * (4 * hidden + 2 * self.intermediate_size)
+        mergers = (1 + len(self.deepstack_visual_indexes)) * 2 * hidden * (self.merged_width + self.out_hidden_size)
+        return 2 * self.patch_dim * hidden + self.depth * block + mergers
+
+    @property
+    def flops_per_token_pair(self) -> int:
+        """Forward FLOPs per pair of tokens in one segment: each block's ``q k^T`` and ``p v`` (4 * hidden)."""
+        return self.depth * 4 * self.hidden_size
 
     @classmethod
     def from_hf(cls, config: object) -> VisionConfig:

@@ -18,11 +18,11 @@ import warnings
 import torch
 from torch import nn
 
-from .config import VisionConfig
+from .config import QWEN3_FULL_MODEL_TYPES, QWEN3_VISION_MODEL_TYPES, VisionConfig
 from .metadata import build_metadata
 from .model import tower_forward
 from .parallel import make_parallel
-from .qwen2_tower import QWEN2_VISION_MODEL_TYPES, Qwen2TowerConfig, encode_qwen2
+from .qwen2_tower import QWEN2_FULL_MODEL_TYPES, QWEN2_VISION_MODEL_TYPES, Qwen2VisionConfig, encode_qwen2
 
 __all__ = [
     "ATTENTION_NAME",
@@ -36,14 +36,12 @@ __all__ = [
 
 # Models whose vision tower is Qwen3-VL's (Qwen3.5's has no deepstack mergers, Qwen3-Omni's names its mergers
 # ln_q / mlp: qvl.vit.model.merger_parts); Qwen3-Omni's full model holds it under .thinker.visual.
-_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker")
-_VISION_MODEL_TYPES = (
-    "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder",
-)  # fmt: skip
-# Qwen2.5-VL's and Qwen2-VL's towers (qvl.vit.qwen2_tower): no learned position table; Qwen2.5-VL's attends in windows.
-_QWEN2_FULL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+_FULL_MODEL_TYPES = QWEN3_FULL_MODEL_TYPES
+_VISION_MODEL_TYPES = QWEN3_VISION_MODEL_TYPES
 # The config.model_type of the models patch_model takes (whatever their class: subclasses are welcome).
-SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES + _QWEN2_FULL_MODEL_TYPES + QWEN2_VISION_MODEL_TYPES
+# Qwen2.5-VL's and Qwen2-VL's towers run on qvl.vit.qwen2_tower (no learned position table; Qwen2.5-VL's attends
+# in windows).
+SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES + QWEN2_FULL_MODEL_TYPES + QWEN2_VISION_MODEL_TYPES
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
 ATTENTION_NAME = "qvl_vision"
 
@@ -70,7 +68,7 @@ def _vision_module(model: nn.Module, caller: str) -> nn.Module:
         visual = getattr(module, "visual", None)
         if model_type in _FULL_MODEL_TYPES and _model_type(visual) in _VISION_MODEL_TYPES:
             return visual
-        if model_type in _QWEN2_FULL_MODEL_TYPES and _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
+        if model_type in QWEN2_FULL_MODEL_TYPES and _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
             return visual
         inner = getattr(module, "model", None)
         module = getattr(module, "thinker", None) if inner is None else inner
@@ -128,7 +126,7 @@ class _PatchedForward:
     def __init__(self, visual, replaced_forward, replaced_extra_repr, config, data_parallel, encode=None):
         self.visual = visual
         # (visual, config, pixels, grid_thw, hidden_states_out) -> (last_hidden_state, merged, deepstack):
-        # Qwen3-VL's tower (config a VisionConfig) or Qwen2.5-VL's / Qwen2-VL's (a Qwen2TowerConfig).
+        # Qwen3-VL's tower (config a VisionConfig) or Qwen2.5-VL's / Qwen2-VL's (a Qwen2VisionConfig).
         self.encode = encode or _encode
         self.replaced_forward = replaced_forward
         self.replaced_extra_repr = replaced_extra_repr
@@ -212,8 +210,8 @@ class _PatchedForward:
             merged, deepstack = self.data_parallel.run(
                 hidden_states,
                 grid_thw,
-                lambda pixels, grid: _encode(self.visual, self.config, pixels, grid)[1:],
-                self.visual.pos_embed.weight.device,
+                lambda pixels, grid: self.encode(self.visual, self.config, pixels, grid)[1:],
+                self.visual.patch_embed.proj.weight.device,
             )
         fields = {"last_hidden_state": last_hidden, "pooler_output": merged}
         if self.config.deepstack_visual_indexes:
@@ -287,35 +285,25 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     the vision output's ``last_hidden_state`` is then None (transformers' Qwen3-VL models read only the
     merged and deepstack features). Weight sharding would change the model's parameters, so
     ``parallel="weights"`` raises ValueError: build ``VisionTransformer.from_hf(visual, parallel="weights")``
-    instead. Qwen2.5-VL and Qwen2-VL towers run in one process only: any ``parallel`` raises ValueError for them.
+    (``Qwen2VisionTransformer.from_hf`` for Qwen2.5-VL / Qwen2-VL) instead.
 
     Forward hooks registered with torch on the tower's submodules do not run on qvl's path, which never calls
     the submodules.
     """
     visual = _vision_module(model, "patch_model")
+    # The config check rejects a tower qvl cannot run, before anything changes.
     if _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
-        return _patch_qwen2(visual, model, parallel)
-    config = VisionConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
+        config, encode, tower_class = Qwen2VisionConfig.from_hf(visual.config), encode_qwen2, "Qwen2VisionTransformer"
+    else:
+        config, encode, tower_class = VisionConfig.from_hf(visual.config), _encode, "VisionTransformer"
     if parallel == "weights":
         raise ValueError(
             "patch_model: parallel='weights' would shard the model's own parameters; use "
-            "qvl.vit.VisionTransformer.from_hf(visual, parallel='weights') for a weight-sharded tower"
+            f"qvl.vit.{tower_class}.from_hf(visual, parallel='weights') for a weight-sharded tower"
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
-    _install(visual, config, data_parallel, _encode)
-    return model
-
-
-def _patch_qwen2(visual: nn.Module, model: nn.Module, parallel: str | None) -> nn.Module:
-    """:func:`patch_model` for a Qwen2.5-VL or Qwen2-VL vision tower (single process only, for now)."""
-    config = Qwen2TowerConfig.from_hf(visual.config)  # rejects a tower qvl cannot run, before anything changes
-    if parallel is not None:
-        raise ValueError(
-            f"patch_model: parallel={parallel!r} is not supported for Qwen2.5-VL / Qwen2-VL vision towers yet;"
-            " use parallel=None"
-        )
-    _install(visual, config, None, encode_qwen2)
+    _install(visual, config, data_parallel, encode)
     return model
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.common import check_tensor
 
-__all__ = ["AllReduce", "Product", "patch_merger", "row_parallel_linear", "vision_mlp"]
+__all__ = ["AllReduce", "Product", "patch_merger", "row_parallel_linear", "swiglu_mlp", "vision_mlp"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 # x -> x @ weight.T without bias, for a linear layer whose weight is not a plain tensor.
@@ -45,10 +45,17 @@ def row_parallel_linear(
     return (partial if all_reduce is None else all_reduce(partial)) + bias
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm, or RMSNorm where there is no bias."""
+    if bias is None:
+        return torch.ops.qvl.rms_norm(x, weight, eps)
+    return torch.ops.qvl.layer_norm(x, weight, bias, eps)
+
+
 def patch_merger(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
-    norm_bias: torch.Tensor,
+    norm_bias: torch.Tensor | None,
     fc1_weight: torch.Tensor | Product,
     fc1_bias: torch.Tensor,
     fc2_weight: torch.Tensor | Product,
@@ -58,13 +65,15 @@ def patch_merger(
     eps: float = 1e-6,
     all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
-    """transformers' ``Qwen3VLVisionPatchMerger`` forward on qvl ops.
+    """transformers' ``Qwen3VLVisionPatchMerger`` forward on qvl ops (and Qwen2-VL's ``PatchMerger``, Qwen2.5-VL's
+    ``Qwen2_5_VLPatchMerger``: the main merger's layout with a LayerNorm or an RMSNorm).
 
     Args:
         x: ``(N, C)`` hidden states in merge-block order (every ``m * m`` consecutive tokens form one
             block, ``m = spatial_merge_size``); N divisible by ``m * m``; viewable as ``(N / m^2, m^2 C)``.
         norm_weight, norm_bias: ``(C,)`` for the main merger (norm per token, then merge), or
-            ``(m^2 C,)`` with ``postshuffle_norm=True`` (the deepstack mergers: merge, then norm).
+            ``(m^2 C,)`` with ``postshuffle_norm=True`` (the deepstack mergers: merge, then norm). A LayerNorm;
+            ``norm_bias=None`` makes it an RMSNorm (Qwen2.5-VL's ``ln_q``, transformers' ``Qwen2RMSNorm``).
         fc1_weight, fc1_bias: ``(F, m^2 C)`` and ``(F,)``; fc2_weight ``(out, F)``, fc2_bias ``(out,)``. Either
             weight may be a :data:`Product` instead.
         all_reduce: for tensor parallelism, fc1 split by output features (each rank passes its rows of
@@ -83,10 +92,8 @@ def patch_merger(
             f"patch_merger: x's token count {x.shape[0]} must be divisible by spatial_merge_size**2 = {group}"
         )
     merged_width = x.shape[1] * group
-    if postshuffle_norm:
-        h = torch.ops.qvl.layer_norm(x.view(-1, merged_width), norm_weight, norm_bias, eps)
-    else:
-        h = torch.ops.qvl.layer_norm(x, norm_weight, norm_bias, eps).view(-1, merged_width)
+    h = _norm(x.view(-1, merged_width) if postshuffle_norm else x, norm_weight, norm_bias, eps)
+    h = h.view(-1, merged_width)
     h = _product(h, fc1_weight)
     torch.ops.qvl.bias_gelu_(h, fc1_bias, "none")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
@@ -119,3 +126,30 @@ def vision_mlp(
     h = _product(x, fc1_weight)
     torch.ops.qvl.bias_gelu_(h, fc1_bias, approximate)
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
+
+
+def swiglu_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | Product,
+    gate_bias: torch.Tensor,
+    up_weight: torch.Tensor | Product,
+    up_bias: torch.Tensor,
+    down_weight: torch.Tensor | Product,
+    down_bias: torch.Tensor,
+    all_reduce: AllReduce | None = None,
+) -> torch.Tensor:
+    """transformers' ``Qwen2_5_VLMLP`` forward on qvl ops: ``down(silu(gate(x)) * up(x))``, every projection
+    with a bias.
+
+    Args:
+        x: ``(N, C)``. gate_weight and up_weight ``(F, C)``, their biases ``(F,)``; down_weight ``(C_out, F)``,
+            down_bias ``(C_out,)``; all in x's dtype; any weight may be a :data:`Product` instead.
+        all_reduce: tensor parallelism as in :func:`vision_mlp` (gate and up column-parallel, down
+            row-parallel: the partial down product is reduced, then down_bias added once).
+
+    Returns ``(N, C_out)`` in x's dtype. gate and up run as bias-less products, their biases and the activation
+    in one :func:`bias_swiglu`.
+    """
+    check_tensor("swiglu_mlp", "x", x, ndim=2)
+    h = torch.ops.qvl.bias_swiglu(_product(x, gate_weight), _product(x, up_weight), gate_bias, up_bias)
+    return row_parallel_linear(h, down_weight, down_bias, all_reduce)

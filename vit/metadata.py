@@ -51,8 +51,9 @@ class VisionMetadata:
         cu_seqlens: int32 ``(S + 1,)``, one segment of ``h * w`` tokens per temporal slice (S = sum t).
         max_seqlen: longest segment (Python int; 0 for an empty batch).
         positions: int32 ``(T, 2)``: (row, col) of every token.
-        interp_indices: int32 ``(T, 4)``: rows of the learned position table to blend per token.
-        interp_weights: fp32 ``(T, 4)``: their bilinear weights.
+        interp_indices: int32 ``(T, 4)``: rows of the learned position table to blend per token (None
+            without a table, ``num_grid_per_side=None``).
+        interp_weights: fp32 ``(T, 4)``: their bilinear weights (None without a table).
         spatial_merge_size: merge block side the token order was built for.
         num_grid_per_side: side of the learned position grid the indices point into.
         token_counts: ``t * h * w`` per entry (Python ints).
@@ -64,10 +65,10 @@ class VisionMetadata:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     positions: torch.Tensor
-    interp_indices: torch.Tensor
-    interp_weights: torch.Tensor
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
     spatial_merge_size: int
-    num_grid_per_side: int
+    num_grid_per_side: int | None
     token_counts: tuple[int, ...]
     merged_token_counts: tuple[int, ...]
 
@@ -94,9 +95,13 @@ class VisionMetadata:
             self,
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
             positions=self.positions.to(device, non_blocking=non_blocking),
-            interp_indices=self.interp_indices.to(device, non_blocking=non_blocking),
-            interp_weights=self.interp_weights.to(device, non_blocking=non_blocking),
+            interp_indices=_to(self.interp_indices, device, non_blocking),
+            interp_weights=_to(self.interp_weights, device, non_blocking),
         )
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device, non_blocking: bool) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -178,9 +183,9 @@ def _axis_taps(index: np.ndarray, size: np.ndarray, side: int):
     return taps, weights
 
 
-def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int):
+def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int | None):
     """Positions ``(R, 2)``, interpolation indices ``(R, 4)`` and weights ``(R, 4)`` for one frame of
-    each (h, w), concatenated (R = sum h * w).
+    each (h, w), concatenated (R = sum h * w); positions alone when ``side`` is None.
 
     Works in int32 (every value fits, see ``check_grid``): numpy divides int32 several times faster.
     Columns are written one by one because numpy broadcasts over a length-2 inner axis slowly.
@@ -200,6 +205,8 @@ def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int)
     col = block_col * merge + in_col
     positions = np.empty((owner.size, 2), dtype=np.int32)
     positions[:, 0], positions[:, 1] = row, col
+    if side is None:
+        return (positions,)
 
     h_taps, h_weights = _axis_taps(row, frame_h, side)
     w_taps, w_weights = _axis_taps(col, frame_w, side)
@@ -215,7 +222,7 @@ def _frame_plans(heights: np.ndarray, widths: np.ndarray, merge: int, side: int)
 def build_metadata(
     grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
     spatial_merge_size: int = 2,
-    num_grid_per_side: int = 48,
+    num_grid_per_side: int | None = 48,
     device: torch.device | str | None = None,
 ) -> VisionMetadata:
     """Build the metadata of one vision-tower batch on the host and move it to ``device`` once.
@@ -225,7 +232,8 @@ def build_metadata(
             or a list of triples. ``N = 0`` is a valid empty batch. A tensor on any other device is
             rejected (reading it would sync). h and w must be divisible by ``spatial_merge_size``.
         spatial_merge_size: merge block side (2 in every released Qwen3-VL).
-        num_grid_per_side: side of the learned position grid (``sqrt(num_position_embeddings)``, 48).
+        num_grid_per_side: side of the learned position grid (``sqrt(num_position_embeddings)``, 48); None for
+            a tower without one (Qwen2-VL, Qwen2.5-VL): no interpolation plan is built.
         device: where the tensors go (default CPU). CUDA copies are staged in pinned memory and issued
             non-blocking on the current stream, so work queued after them on that stream sees them.
 
@@ -233,8 +241,8 @@ def build_metadata(
     for grid_thw the offending row).
     """
     merge = _check_positive_int("spatial_merge_size", spatial_merge_size)
-    side = _check_positive_int("num_grid_per_side", num_grid_per_side)
-    if side * side >= _INT32_LIMIT:
+    side = None if num_grid_per_side is None else _check_positive_int("num_grid_per_side", num_grid_per_side)
+    if side is not None and side * side >= _INT32_LIMIT:
         raise ValueError(f"build_metadata: num_grid_per_side {side} gives a table too large for int32 indices")
     grid = grid_as_numpy(grid_thw)
     check_grid(grid, merge)
@@ -260,7 +268,8 @@ def build_metadata(
     num_tokens = int(cu_seqlens[-1])
     source_rows = np.repeat(plan_starts[slice_shape] - cu_seqlens[:-1], slice_sizes) + np.arange(num_tokens)
 
-    positions, interp_indices, interp_weights = (_gather_to(plan, source_rows, device) for plan in plans)
+    gathered = [_gather_to(plan, source_rows, device) for plan in plans]
+    positions, interp_indices, interp_weights = gathered if side is not None else (gathered[0], None, None)
     return VisionMetadata(
         grid_thw=torch.from_numpy(grid),
         cu_seqlens=to_device(torch.from_numpy(cu_seqlens), device),

@@ -31,7 +31,10 @@ from .layers import AllReduce, Product, patch_merger, row_parallel_linear, visio
 from .metadata import VisionMetadata, build_metadata
 from .parallel import LocalWidths, make_parallel
 
-__all__ = ["LinearParts", "VisionTransformer", "call_compiled", "tower_forward"]
+__all__ = ["LinearParts", "TowerBase", "VisionTransformer", "call_compiled", "tower_forward"]
+
+# The last name of the norm modules, whose weights init_random_weights draws around 1.
+_NORM_NAMES = frozenset({"norm", "norm1", "norm2", "ln_q"})
 
 # A linear module -> (weight or bias-less product, bias), the arguments the layer functions take for it.
 LinearParts = Callable[[nn.Module], tuple[torch.Tensor | Product, torch.Tensor]]
@@ -217,8 +220,165 @@ def _merge(
     )
 
 
-class VisionTransformer(nn.Module):
-    """A Qwen3-VL vision encoder on qvl kernels.
+class TowerBase(nn.Module):
+    """What qvl's tower classes share: the parallel strategy, weight loading, the host/device split of a forward
+    and compilation.
+
+    A subclass sets ``config_class`` (a config dataclass with ``from_hf(hf_config)`` and ``from_dict(dict)``),
+    builds its parameters under transformers' names after ``super().__init__``, and defines :meth:`metadata`
+    (host part of a batch), :meth:`_device_inputs` (the metadata's tensors the device part takes) and
+    :meth:`_device_forward` (the device part: tensors in, ``(merged, deepstack list)`` out).
+
+    ``tower(pixel_values, grid_thw)`` returns ``(merged, deepstack)``: the main merger's output
+    ``(sum(t*h*w) / m^2, out_hidden_size)`` and the list of deepstack mergers' outputs of the same shape (empty
+    for towers without them). ``parallel="weights"`` or ``"data"`` runs one tower over the processes of ``group``
+    (default: the world), each rank calling it with the same batch and getting the whole batch's outputs; see
+    :mod:`qvl.vit.parallel`. ``None``: a single-process tower.
+    """
+
+    config_class: type
+
+    def __init__(self, config, *, parallel: str | None = None, group=None):
+        super().__init__()
+        self.config = config
+        self._compiled_forward = None
+        self._parallel = make_parallel(parallel, config, group, caller=type(self).__name__)
+        self.num_local_heads = self._parallel.local_widths().num_heads
+
+    @property
+    def parallel(self) -> str | None:
+        """The parallel mode this tower runs in: ``"weights"``, ``"data"`` or None (one process)."""
+        return self._parallel.mode
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    def init_random_weights(self, seed: int = 0):
+        """Deterministic random weights (for tests, benchmarks and the embedded default model); returns the tower."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                module_name, _, kind = name.rpartition(".")
+                if kind == "weight" and module_name.rpartition(".")[2] in _NORM_NAMES:
+                    values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+                elif kind == "bias":
+                    values = 0.02 * torch.randn(param.shape, generator=generator)
+                else:
+                    fan_in = param[0].numel() if param.dim() > 1 else 1
+                    values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
+                param.copy_(values.to(param.dtype))
+        return self
+
+    @classmethod
+    def from_hf(cls, vision_module: nn.Module, **kwargs):
+        """A tower with a copy of a transformers vision model's weights (``parallel`` and ``group`` as for the
+        constructor)."""
+        config = cls.config_class.from_hf(vision_module.config)
+        weight = vision_module.patch_embed.proj.weight
+        tower = cls(config, dtype=weight.dtype, device=weight.device, **kwargs)
+        tower.load_full_state_dict(vision_module.state_dict())
+        return tower
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, **kwargs):
+        """Load from a local checkpoint directory (config.json + safetensors, transformers' names); ``dtype``
+        defaults to the checkpoint's."""
+        from .checkpoint import load_vision_checkpoint
+
+        config, state_dict = load_vision_checkpoint(path)
+        dtype = dtype or next(iter(state_dict.values())).dtype
+        tower = cls(cls.config_class.from_dict(config), dtype=dtype, device=device, **kwargs)
+        tower.load_full_state_dict(state_dict)
+        return tower
+
+    def _canonical_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole tower's state dict under this class's own names (other checkpoints' names mapped)."""
+        return state_dict
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored. Under
+        ``parallel="weights"`` each rank keeps its own part."""
+        name = type(self).__name__
+        state_dict = self._canonical_names(state_dict)
+        own = self.state_dict()
+        state_dict = self._parallel.local_state_dict(state_dict, {key: t.shape for key, t in own.items()})
+        missing = [key for key in own if key not in state_dict]
+        if missing:
+            raise ValueError(f"{name}: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for key, target in own.items():
+                source = state_dict[key]
+                if source.shape != target.shape:
+                    raise ValueError(f"{name}: {key} has shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+                target.copy_(source)
+
+    def metadata(self, grid_thw):
+        """Host-side metadata of a batch (``grid_thw``: CPU tensor, numpy array or list of (t, h, w)), on this
+        tower's device."""
+        raise NotImplementedError
+
+    def _device_inputs(self, meta) -> tuple:
+        """The metadata tensors :meth:`_device_forward` takes after the pixel values."""
+        raise NotImplementedError
+
+    def _device_forward(self, pixel_values: torch.Tensor, *inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def encode(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The device part for a batch whose metadata is already built (in data mode only ``meta.grid_thw``
+        is used: each rank builds its own share's metadata)."""
+        if self._parallel.mode == "data":
+            return self.forward(pixel_values, meta.grid_thw)
+        return self._parallel.run(
+            pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device
+        )
+
+    def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
+        expected = (meta.num_tokens, self.config.patch_dim)
+        if tuple(pixel_values.shape) != expected:
+            raise ValueError(
+                f"{type(self).__name__}: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}"
+            )
+        if meta.num_tokens == 0:
+            empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
+            return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
+        args = (pixel_values.to(self.device), *self._device_inputs(meta))
+        if self._compiled_forward is None:
+            return self._device_forward(*args)
+        return call_compiled(self._compiled_forward, *args)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
+        return self._parallel.run(pixel_values, grid_thw, self._encode_grid, self.device)
+
+    def _encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self._encode_local(pixel_values, self.metadata(grid))
+
+    def compile(self, **compile_kwargs):
+        """Compile the device part of the forward (not the host metadata) with the token dim dynamic, in
+        place, and return the tower itself (so ``tower = VisionTransformer(...).compile()`` reads naturally;
+        unlike ``nn.Module.compile``, which returns None).
+
+        After the first call, batches with other image counts, sizes and videos reuse the compiled code.
+        That relies on torch's size-oblivious tracing switch (``torch.fx.experimental._config``, a private
+        module); on a torch without it, a batch whose token count is 1 compiles once more (a single 2x2
+        image has one merged token), and nothing else changes. Extra keyword arguments go to
+        ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
+        """
+        options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
+        self._compiled_forward = torch.compile(self._device_forward, **options)
+        return self
+
+
+class VisionTransformer(TowerBase):
+    """A Qwen3-VL vision encoder on qvl kernels (also Qwen3.5's, their MoE variants' and Qwen3-Omni's, whose
+    towers are the same modules).
 
     ``tower(pixel_values, grid_thw)`` returns ``(merged, deepstack)``: the main merger's output
     ``(sum(t*h*w) / m^2, out_hidden_size)`` and the list of deepstack mergers' outputs of the same
@@ -232,6 +392,8 @@ class VisionTransformer(nn.Module):
     batch's outputs; see :mod:`qvl.vit.parallel`. ``None``: a single-process tower.
     """
 
+    config_class = VisionConfig
+
     def __init__(
         self,
         config: VisionConfig,
@@ -241,12 +403,8 @@ class VisionTransformer(nn.Module):
         parallel: str | None = None,
         group=None,
     ):
-        super().__init__()
-        self.config = config
-        self._compiled_forward = None
-        self._parallel = make_parallel(parallel, config, group)
+        super().__init__(config, parallel=parallel, group=group)
         widths = self._parallel.local_widths()
-        self.num_local_heads = widths.num_heads
         self.patch_embed = _PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(_Block(config, widths) for _ in range(config.depth))
@@ -257,75 +415,11 @@ class VisionTransformer(nn.Module):
         if dtype is not None or device is not None:
             self.to(dtype=dtype, device=device)
 
-    @property
-    def parallel(self) -> str | None:
-        """The parallel mode this tower runs in: ``"weights"``, ``"data"`` or None (one process)."""
-        return self._parallel.mode
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pos_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.pos_embed.weight.device
-
-    def init_random_weights(self, seed: int = 0) -> VisionTransformer:
-        """Deterministic random weights (for tests, benchmarks and the embedded default model)."""
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
-                    values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
-                elif name.endswith("bias"):
-                    values = 0.02 * torch.randn(param.shape, generator=generator)
-                else:
-                    fan_in = param[0].numel() if param.dim() > 1 else 1
-                    values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
-                param.copy_(values.to(param.dtype))
-        return self
-
-    @classmethod
-    def from_hf(cls, vision_module: nn.Module, **kwargs) -> VisionTransformer:
-        """A tower with a copy of a transformers Qwen3-VL-family vision model's weights (Qwen3-VL, Qwen3.5, their
-        MoE variants, Qwen3-Omni's vision encoder)."""
-        config = VisionConfig.from_hf(vision_module.config)
-        weight = vision_module.pos_embed.weight
-        tower = cls(config, dtype=weight.dtype, device=weight.device, **kwargs)
-        tower.load_full_state_dict(vision_module.state_dict())
-        return tower
-
-    @classmethod
-    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> VisionTransformer:
-        """Load from a local checkpoint directory (config.json + safetensors, transformers' names)."""
-        from .checkpoint import load_vision_checkpoint
-
-        config, state_dict = load_vision_checkpoint(path)
-        dtype = dtype or next(iter(state_dict.values())).dtype
-        tower = cls(VisionConfig.from_dict(config), dtype=dtype, device=device, **kwargs)
-        tower.load_full_state_dict(state_dict)
-        return tower
-
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a whole (unsharded) tower's weights with transformers' names (Qwen3-VL's and Qwen3.5's, or
-        Qwen3-Omni's merger names); extra keys are ignored."""
-        state_dict = {_OMNI_MERGER_NAME.sub(_qwen3_vl_merger_name, name): t for name, t in state_dict.items()}
-        own = self.state_dict()
-        state_dict = self._parallel.local_state_dict(state_dict, {name: t.shape for name, t in own.items()})
-        missing = [name for name in own if name not in state_dict]
-        if missing:
-            raise ValueError(f"VisionTransformer: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, target in own.items():
-                source = state_dict[name]
-                if source.shape != target.shape:
-                    raise ValueError(
-                        f"VisionTransformer: {name} has shape {tuple(source.shape)}, expected {tuple(target.shape)}"
-                    )
-                target.copy_(source)
+    def _canonical_names(self, state_dict):
+        """Qwen3-Omni's merger names (``merger_list``, ``ln_q``, ``mlp.0``, ``mlp.2``) become Qwen3-VL's."""
+        return {_OMNI_MERGER_NAME.sub(_qwen3_vl_merger_name, name): t for name, t in state_dict.items()}
 
     def metadata(self, grid_thw) -> VisionMetadata:
-        """Host-side metadata of a batch, on this tower's device."""
         return build_metadata(
             grid_thw,
             spatial_merge_size=self.config.spatial_merge_size,
@@ -333,31 +427,8 @@ class VisionTransformer(nn.Module):
             device=self.device,
         )
 
-    def encode(self, pixel_values: torch.Tensor, meta: VisionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The device part for a batch whose metadata is already built (in data mode only ``meta.grid_thw``
-        is used: each rank builds its own share's metadata)."""
-        if self._parallel.mode == "data":
-            return self.forward(pixel_values, meta.grid_thw)
-        return self._parallel.run(
-            pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device
-        )
-
-    def _encode_local(
-        self, pixel_values: torch.Tensor, meta: VisionMetadata
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
-        expected = (meta.num_tokens, self.config.patch_dim)
-        if tuple(pixel_values.shape) != expected:
-            raise ValueError(
-                f"VisionTransformer: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}"
-            )
-        if meta.num_tokens == 0:
-            empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
-            return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
-        args = (pixel_values.to(self.device), meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights)
-        if self._compiled_forward is None:
-            return self._device_forward(*args)
-        return call_compiled(self._compiled_forward, *args)
+    def _device_inputs(self, meta: VisionMetadata) -> tuple[torch.Tensor, ...]:
+        return meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights
 
     def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
         _, merged, deepstack = tower_forward(
@@ -374,25 +445,3 @@ class VisionTransformer(nn.Module):
             all_reduce=self._parallel.all_reduce,
         )
         return merged, deepstack
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
-        return self._parallel.run(pixel_values, grid_thw, self._encode_grid, self.device)
-
-    def _encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self._encode_local(pixel_values, self.metadata(grid))
-
-    def compile(self, **compile_kwargs) -> VisionTransformer:
-        """Compile the device part of the forward (not the host metadata) with the token dim dynamic, in
-        place, and return the tower itself (so ``tower = VisionTransformer(...).compile()`` reads naturally;
-        unlike ``nn.Module.compile``, which returns None).
-
-        After the first call, batches with other image counts, sizes and videos reuse the compiled code.
-        That relies on torch's size-oblivious tracing switch (``torch.fx.experimental._config``, a private
-        module); on a torch without it, a batch whose token count is 1 compiles once more (a single 2x2
-        image has one merged token), and nothing else changes. Extra keyword arguments go to
-        ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
-        """
-        options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
-        self._compiled_forward = torch.compile(self._device_forward, **options)
-        return self

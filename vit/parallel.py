@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .balance import SegmentCost, balance
-from .config import VisionConfig
+from .config import TowerConfig
 from .layers import AllReduce
 from .metadata import check_grid, grid_as_numpy, to_device
 
@@ -99,7 +99,7 @@ def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def make_parallel(
-    mode: str | None, config: VisionConfig, group: dist.ProcessGroup | None = None, caller: str = "VisionTransformer"
+    mode: str | None, config: TowerConfig, group: dist.ProcessGroup | None = None, caller: str = "VisionTransformer"
 ) -> SingleProcess:
     """The strategy a tower runs with: :class:`SingleProcess` for ``mode=None`` or a group of one process,
     else a :class:`WeightsParallel` or :class:`DataParallel`. Raises on every rank alike (nothing here
@@ -143,7 +143,7 @@ class SingleProcess:
     mode: str | None = None
     all_reduce: AllReduce | None = None
 
-    def __init__(self, config: VisionConfig):
+    def __init__(self, config: TowerConfig):
         self.config = config
 
     def local_widths(self) -> LocalWidths:
@@ -165,7 +165,7 @@ class SingleProcess:
 class _Distributed(SingleProcess):
     """What both modes share: the group, and the check that every rank passes the same batch."""
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
+    def __init__(self, config: TowerConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
         super().__init__(config)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -214,10 +214,16 @@ class _Distributed(SingleProcess):
         return grid
 
 
+# Parameter names of every tower kind: Qwen3-VL's (mlp / mergers' linear_fc1, linear_fc2), Qwen2.5-VL's
+# (mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) and Qwen2-VL's (mlp.fc1 / fc2, merger.mlp.0 / mlp.2).
 _QKV = re.compile(r"blocks\.\d+\.attn\.qkv\.(weight|bias)")
-_COLUMN = re.compile(r"(blocks\.\d+\.mlp|merger|deepstack_merger_list\.\d+)\.linear_fc1\.(weight|bias)")
+_COLUMN = re.compile(
+    r"((blocks\.\d+\.mlp|merger|deepstack_merger_list\.\d+)\.linear_fc1"
+    r"|blocks\.\d+\.mlp\.(gate_proj|up_proj|fc1)|merger\.mlp\.0)\.(weight|bias)"
+)
 _ROW = re.compile(
-    r"(blocks\.\d+\.mlp|merger|deepstack_merger_list\.\d+)\.linear_fc2\.weight" r"|blocks\.\d+\.attn\.proj\.weight"
+    r"((blocks\.\d+\.mlp|merger|deepstack_merger_list\.\d+)\.linear_fc2"
+    r"|blocks\.\d+\.mlp\.(down_proj|fc2)|merger\.mlp\.2|blocks\.\d+\.attn\.proj)\.weight"
 )
 
 
@@ -226,7 +232,7 @@ class WeightsParallel(_Distributed):
 
     mode = "weights"
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup):
+    def __init__(self, config: TowerConfig, group: dist.ProcessGroup):
         super().__init__(config, group)
         uneven = {
             name: width
@@ -291,7 +297,7 @@ class DataParallel(_Distributed):
 
     mode = "data"
 
-    def __init__(self, config: VisionConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
+    def __init__(self, config: TowerConfig, group: dist.ProcessGroup, host_group: dist.ProcessGroup | None = None):
         super().__init__(config, group, host_group)
         self.cost = SegmentCost.from_config(config)
 

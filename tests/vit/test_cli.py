@@ -541,3 +541,103 @@ def test_parallel_without_a_launcher_exits_2(images, tmp_path, capsys, monkeypat
     assert encode(images[0], "--parallel", "data", "-o", tmp_path / "x.safetensors") == 2
     assert "torchrun" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def import_without_torchvision(module_name: str, monkeypatch):
+    """A transformers module that imports torchvision at the top but whose code under test never calls it:
+    torchvision does not import next to the CPU torch here, so empty modules stand in for it during the import."""
+    import importlib
+    import types
+
+    for name in (
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    ):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.delitem(sys.modules, module_name, raising=False)
+    return importlib.import_module(module_name)
+
+
+def test_sample_frame_indices_qwen2_equal_qwen2_vl_video_processor(monkeypatch):
+    """cli.sample_frame_indices_qwen2 is transformers' Qwen2VLVideoProcessor.sample_frames with fps (Qwen2-VL's and
+    Qwen2.5-VL's): whole temporal patches; a video shorter than one patch, where transformers fails, is kept whole."""
+    module = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl", monkeypatch)
+    Qwen2VLVideoProcessor = module.Qwen2VLVideoProcessor  # noqa: N806
+    checked = 0
+    for max_frames in (1, 3, 4, 5, 16, 768):
+        processor = Qwen2VLVideoProcessor(max_frames=max_frames)
+        for total in (1, 2, 3, 4, 5, 7, 16, 31, 100, 901, 5000):
+            for video_fps in (1.0, 8.0, 23.976023976023978, 29.97002997002997, 60.0):
+                for fps in (0.5, 2.0, 3.3, 30.0):
+                    got = cli.sample_frame_indices_qwen2(total, video_fps, fps, max_frames)
+                    metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
+                    try:
+                        expected = processor.sample_frames(metadata, fps=fps).tolist()
+                    except ZeroDivisionError:  # no whole temporal patch fits
+                        assert got == list(range(total)) and min(total, max_frames) < 2
+                        continue
+                    assert got == expected and len(got) % 2 == 0, (total, video_fps, fps, max_frames)
+                    checked += 1
+    assert checked > 900
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Tiny random full Qwen2.5-VL and Qwen2-VL models saved as transformers saves them, and their vision towers."""
+    from test_qwen2_towers import qwen2_5_full_config, qwen2_full_config
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    from towers import randomize
+
+    root = tmp_path_factory.mktemp("qwen2")
+    checkpoints = {}
+    for name, config, model_class in (
+        ("qwen2_5_vl", qwen2_5_full_config(), Qwen2_5_VLForConditionalGeneration),
+        ("qwen2_vl", qwen2_full_config(), Qwen2VLForConditionalGeneration),
+    ):
+        model = randomize(model_class(config), seed=17).eval()
+        model.save_pretrained(root / name)
+        visual = model.model.visual
+        visual.config._attn_implementation = "sdpa"
+        checkpoints[name] = root / name, visual
+    return checkpoints
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_checkpoints, images, tmp_path, capsys):
+    """--model DIR of a Qwen2.5-VL / Qwen2-VL checkpoint: the tower kind from config.json, transformers' Qwen2-VL
+    image processor with its own settings (patch 14, CLIP mean and std, 56x56 smallest image), no deepstack
+    outputs, and a video file sampled in whole temporal patches; features within rounding of transformers."""
+    from test_hf_patch import float64_run
+    from test_qwen2_towers import FAMILIES
+
+    checkpoint, visual = qwen2_checkpoints[name]
+    video = make_video(tmp_path / "clip.mp4", frames=7, fps=4, size=56)
+    output = tmp_path / "out.safetensors"
+    assert encode(images[0], images[2], video, "--model", checkpoint, "-o", output) == 0
+    log = capsys.readouterr().err
+    assert "Qwen2-VL tower" in log and "patch 14" in log and ("windows of 16 tokens" in log) == (name == "qwen2_5_vl")
+    tensors, metadata = read_output(output)
+    assert sorted(tensors) == ["image.0.merged", "image.1.merged", "image.2.merged"]
+    assert json.loads(metadata["deepstack_visual_indexes"]) == []
+    # 7 frames at 4 fps are 1.75 s: 3.5 frames at 2 fps, at least 4, rounded down to whole temporal patches.
+    assert json.loads(metadata["sampling"])[2]["indices"] == [0, 1, 3, 5]
+
+    processor = Qwen2VLImageProcessorPil(max_pixels=cli.DEFAULT_MAX_PIXELS)  # its defaults are Qwen2-VL's
+    assert processor.patch_size == 14 and processor.size["shortest_edge"] == cli.QWEN2_VL_MIN_PIXELS
+    assert (
+        tuple(processor.image_mean) == cli.QWEN2_VL_IMAGE_MEAN and tuple(processor.image_std) == cli.QWEN2_VL_IMAGE_STD
+    )
+    for index, path in enumerate((images[0], images[2])):
+        batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
+        pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+
+        def run(model, pixels=pixels, grid=grid):
+            return model(pixels.to(model.dtype), grid_thw=grid).pooler_output
+
+        with torch.no_grad():
+            baseline = run(visual)
+        truth = float64_run(visual, run, *FAMILIES[name][3])
+        assert_error_within(tensors[f"image.{index}.merged"], truth, baseline, what=f"{name} input {index}")

@@ -216,10 +216,21 @@ def test_bad_grid(grid, error, pattern):
         (dict(spatial_merge_size=2.0), TypeError, "spatial_merge_size must be an int"),
         (dict(spatial_merge_size=True), TypeError, "spatial_merge_size must be an int"),
         (dict(num_grid_per_side=0), ValueError, "num_grid_per_side must be >= 1"),
-        (dict(num_grid_per_side=None), TypeError, "num_grid_per_side must be an int"),
+        (dict(num_grid_per_side="48"), TypeError, "num_grid_per_side must be an int"),
         (dict(num_grid_per_side=50000), ValueError, "num_grid_per_side 50000"),
     ],
 )
 def test_bad_parameters(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         build_metadata([(1, 2, 2)], **kwargs)
+
+
+def test_without_a_position_table():
+    """num_grid_per_side=None (Qwen2-VL's and Qwen2.5-VL's towers): the same segments and positions, no
+    interpolation plan."""
+    grid = [[2, 4, 6], [1, 2, 2]]
+    with_table, without = build_metadata(grid), build_metadata(grid, num_grid_per_side=None)
+    assert without.interp_indices is None and without.interp_weights is None and without.num_grid_per_side is None
+    torch.testing.assert_close(without.positions, with_table.positions, rtol=0, atol=0)
+    torch.testing.assert_close(without.cu_seqlens, with_table.cu_seqlens, rtol=0, atol=0)
+    assert without.to("cpu").interp_indices is None

@@ -17,7 +17,7 @@ from transformers.vision_utils import get_vision_position_ids, get_vision_window
 
 from qvl.vit import is_patched, patch_model, unpatch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
-from qvl.vit.qwen2_tower import Qwen2TowerConfig, build_qwen2_metadata
+from qvl.vit.qwen2_tower import Qwen2VisionConfig, build_qwen2_metadata
 from tolerance import assert_error_within
 from towers import IMAGE_TOKEN_ID, TEXT_KWARGS, TOKEN_IDS, VISION_START_TOKEN_ID, pixel_values_for, randomize
 
@@ -63,20 +63,22 @@ def fields(output) -> list[torch.Tensor]:
 
 def test_metadata_matches_transformers():
     """Window-ordered rotary positions, frame and window segments as transformers builds them."""
-    config = Qwen2TowerConfig.from_hf(Qwen2_5_VLVisionConfig(**QWEN2_5_VISION))
+    config = Qwen2VisionConfig.from_hf(Qwen2_5_VLVisionConfig(**QWEN2_5_VISION))
     grid = torch.tensor(GRID)
     meta = build_qwen2_metadata(grid, config)
     window_index, cu_window_seqlens = get_vision_window_index(grid, spatial_merge_size=2, window_size=56, patch_size=14)
     positions = get_vision_position_ids(grid, 2).view(-1, 4, 2)[window_index].view(-1, 2)
     torch.testing.assert_close(meta.positions, positions.int(), rtol=0, atol=0)
-    torch.testing.assert_close(meta.window_index, window_index, rtol=0, atol=0)
-    torch.testing.assert_close(meta.cu_window_seqlens, cu_window_seqlens.int(), rtol=0, atol=0)
-    torch.testing.assert_close(meta.reverse_index, torch.argsort(window_index), rtol=0, atol=0)
-    assert meta.max_seqlen == 60 and meta.max_window_seqlen == 16 and meta.num_tokens == 60 + 48 + 4
+    torch.testing.assert_close(meta.window.window_index, window_index, rtol=0, atol=0)
+    torch.testing.assert_close(meta.window.cu_window_seqlens, cu_window_seqlens.int(), rtol=0, atol=0)
+    torch.testing.assert_close(meta.window.reverse_index, torch.argsort(window_index), rtol=0, atol=0)
+    # The windowed blocks' tile hint is the config's window (16 tokens here), which no window exceeds.
+    assert meta.window.max_window_seqlen == config.window_tokens == 16 and meta.num_tokens == 60 + 48 + 4
+    assert meta.merged_token_counts == (15, 12, 1)
 
-    plain = build_qwen2_metadata(grid, Qwen2TowerConfig.from_hf(Qwen2VLVisionConfig(**QWEN2_VISION)))
+    plain = build_qwen2_metadata(grid, Qwen2VisionConfig.from_hf(Qwen2VLVisionConfig(**QWEN2_VISION)))
     torch.testing.assert_close(plain.positions, get_vision_position_ids(grid, 2).int(), rtol=0, atol=0)
-    assert plain.window_index is None and plain.cu_window_seqlens is None
+    assert plain.window is None
     torch.testing.assert_close(plain.cu_seqlens, torch.tensor([0, 60, 84, 108, 112], dtype=torch.int32))
 
 
@@ -108,7 +110,8 @@ def test_vision_model_outputs_unchanged(name, dtype):
 
 
 def test_models_found_and_unpatched():
-    """Full, inner and wrapped models are recognised by model_type; parallel modes are refused for now."""
+    """Full, inner and wrapped models are recognised by model_type; weight sharding is refused (it would shard the
+    model's own parameters), data mode needs a process group."""
     for config_class, model_class in (
         (qwen2_5_full_config, Qwen2_5_VLForConditionalGeneration),
         (qwen2_full_config, Qwen2VLForConditionalGeneration),
@@ -119,7 +122,9 @@ def test_models_found_and_unpatched():
             assert patch_model(model) is model and is_patched(model) and is_patched(visual)
             assert "forward patched by qvl.vit.patch_model" in repr(visual)
             assert unpatch_model(model) is model and not is_patched(visual)
-        with pytest.raises(ValueError, match="parallel"):
+        with pytest.raises(ValueError, match=r"Qwen2VisionTransformer\.from_hf\(visual, parallel='weights'\)"):
+            patch_model(vlm, parallel="weights")
+        with pytest.raises(RuntimeError, match="torch.distributed"):
             patch_model(vlm, parallel="data")
         assert not is_patched(visual)
 
