@@ -5,9 +5,12 @@ Each module holds one kernel family (Triton kernel, launch configuration, launch
 torch reference): ``attention`` (vision_attn), ``rotary`` (rotary_2d, rotary_2d_), ``pos_embed``
 (pos_embed_interp, pos_embed_interp_add_), ``layer_norm`` (layer_norm, add_layer_norm), ``rms_norm``
 (rms_norm, add_rms_norm), ``gelu`` (bias_gelu, bias_gelu_: erf, tanh and quick GELU), ``swiglu``
-(bias_swiglu). ``tiles`` holds the Triton device functions two families share; ``common``
-chooses the path each call takes and checks arguments. Single-device ops only: composing them into
-layers, and distributing them, is :mod:`qvl.vit`'s business.
+(bias_swiglu). The out-of-place ops of pos_embed, layer_norm, rms_norm, gelu and swiglu have a backward
+(``torch.library.register_autograd``, itself a custom op ``*_backward``); their in-place ops refuse
+gradients. ``tiles`` holds what two families share (Triton device functions, the backward's partial-sum
+reduction, the in-place ops' autograd guard); ``common`` chooses the path each call takes and checks
+arguments. Single-device ops only: composing them into layers, and distributing them, is :mod:`qvl.vit`'s
+business.
 """
 
 import sys as _sys
@@ -22,12 +25,23 @@ if __name__ != "qvl.kernels":
 else:
     from .attention import MAX_HEAD_DIM, vision_attn, vision_attn_reference
     from .common import backend_for, force_backend, set_value_checks
-    from .gelu import bias_gelu, bias_gelu_, bias_gelu_reference
-    from .layer_norm import add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference
-    from .pos_embed import pos_embed_interp, pos_embed_interp_add_, pos_embed_interp_reference
-    from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+    from .gelu import bias_gelu, bias_gelu_, bias_gelu_backward, bias_gelu_reference
+    from .layer_norm import (
+        add_layer_norm,
+        add_layer_norm_reference,
+        layer_norm,
+        layer_norm_backward,
+        layer_norm_reference,
+    )
+    from .pos_embed import (
+        pos_embed_interp,
+        pos_embed_interp_add_,
+        pos_embed_interp_backward,
+        pos_embed_interp_reference,
+    )
+    from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_reference
     from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
-    from .swiglu import bias_swiglu, bias_swiglu_reference
+    from .swiglu import bias_swiglu, bias_swiglu_backward, bias_swiglu_reference
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -37,17 +51,22 @@ __all__ = [
     "add_rms_norm_reference",
     "backend_for",
     "bias_gelu",
+    "bias_gelu_backward",
     "bias_gelu_",
     "bias_gelu_reference",
     "bias_swiglu",
+    "bias_swiglu_backward",
     "bias_swiglu_reference",
     "force_backend",
     "layer_norm",
+    "layer_norm_backward",
     "layer_norm_reference",
     "pos_embed_interp",
+    "pos_embed_interp_backward",
     "pos_embed_interp_add_",
     "pos_embed_interp_reference",
     "rms_norm",
+    "rms_norm_backward",
     "rms_norm_reference",
     "rotary_2d",
     "rotary_2d_",

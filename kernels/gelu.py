@@ -5,6 +5,13 @@ QuickGELU ``x * sigmoid(1.702 x)`` for Qwen2-VL's blocks' MLP).
 The kernel is memory bound: it reads x and the bias once and writes once, computing in fp32 and rounding
 once on the store. Its tiling (:func:`row_tiles`) and :func:`times_sigmoid` are shared with the SwiGLU
 epilogue (:mod:`qvl.kernels.swiglu`).
+
+Backward (``torch.ops.qvl.bias_gelu_backward``, bias_gelu's autograd formula): one kernel recomputes
+``v = x + bias`` from the saved inputs (the output is not saved: the derivative needs v, not gelu(v)), writes
+``dx = grad_y * gelu'(v)`` and sums it over each program's rows into fp32 partial rows, which a second
+launch adds in a fixed order into ``dbias`` (:mod:`qvl.kernels.tiles`: no atomics, deterministic). The
+in-place ``bias_gelu_`` has no backward (torch.library gives mutating custom ops none) and refuses calls
+that would need one.
 """
 
 from __future__ import annotations
@@ -25,13 +32,18 @@ from .common import (
     device_target,
     run_launches,
 )
+from .tiles import last_dim_contiguous, refuse_autograd, row_split, sum_partials_launch
 
 __all__ = [
     "GELU_APPROXIMATIONS",
     "bias_gelu",
     "bias_gelu_",
+    "bias_gelu_backward",
+    "bias_gelu_backward_launches",
+    "bias_gelu_backward_reference",
     "bias_gelu_launches",
     "bias_gelu_reference",
+    "backward_launch_config",
     "launch_config",
     "row_tiles",
     "times_sigmoid",
@@ -46,6 +58,7 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_KAPPA = tl.constexpr(0.044715)
 _LOG2_E = tl.constexpr(1.4426950408889634)
 _QUICK_GELU_SCALE = tl.constexpr(1.702)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
@@ -92,6 +105,65 @@ def _bias_gelu_kernel(
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def gelu_derivative(v, APPROXIMATE: tl.constexpr):
+    """d gelu(v) / dv in fp32 for the GELU ``APPROXIMATE`` names. Sigmoids of both signs come from
+    :func:`times_sigmoid`, so no ``1 - sigmoid`` cancels and saturated tails give exact 0 or 1 (never inf * 0)."""
+    if APPROXIMATE == "tanh":
+        # gelu = v * s, s = sigmoid(2u), u = sqrt(2/pi) (v + k v^3): gelu' = s + 2 v s (1 - s) u'.
+        u = v * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_KAPPA) * v * v)
+        du = v * v * (3.0 * _SQRT_2_OVER_PI * _GELU_KAPPA) + _SQRT_2_OVER_PI
+        s = times_sigmoid(1.0, 2.0 * u)
+        derivative = s + 2.0 * v * s * times_sigmoid(1.0, -2.0 * u) * du
+    elif APPROXIMATE == "quick":
+        # gelu = v * s, s = sigmoid(a v): gelu' = s + a v s (1 - s).
+        s = times_sigmoid(1.0, v * _QUICK_GELU_SCALE)
+        derivative = s + _QUICK_GELU_SCALE * v * s * times_sigmoid(1.0, -v * _QUICK_GELU_SCALE)
+    else:
+        # gelu = v Phi(v): gelu' = Phi(v) + v phi(v).
+        phi = tl.exp2(v * v * (-0.5 * _LOG2_E)) * _INV_SQRT_2PI
+        derivative = 0.5 * (1.0 + tl.math.erf(v * _SQRT1_2)) + v * phi
+    return derivative
+
+
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
+def _bias_gelu_backward_kernel(
+    # pointers
+    X,
+    Bias,
+    DY,
+    DX,
+    Partials,
+    # sizes
+    num_rows,
+    num_cols,
+    blocks_per_program,
+    # strides (rows); the last dims are contiguous
+    stride_xm,
+    stride_dym,
+    stride_dxm,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    APPROXIMATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < num_cols
+    bias = tl.load(Bias + cols, mask=mask_n, other=0.0).to(tl.float32)
+    dbias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for block in range(0, blocks_per_program):
+        rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < num_rows)[:, None] & mask_n[None, :]
+        x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+        # Masked elements have dy = 0, so they add nothing to dbias.
+        dv = dy.to(tl.float32) * gelu_derivative(x.to(tl.float32) + bias[None, :], APPROXIMATE)
+        tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dv.to(DX.dtype.element_ty), mask=mask)
+        dbias += tl.sum(dv, axis=0)
+    tl.store(Partials + pid.to(tl.int64) * num_cols + cols, dbias, mask=mask_n)
+
+
 def row_tiles(num_cols: int) -> dict:
     """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
     4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
@@ -118,6 +190,37 @@ def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[
     return [KernelLaunch(_bias_gelu_kernel, grid, (x, bias, y, num_rows, num_cols, x.stride(0), y.stride(0)), config)]
 
 
+def backward_launch_config(num_rows: int, num_cols: int, target: GPUTarget) -> dict:
+    """The tiles of an elementwise epilogue's backward (bias + GELU, biases + SwiGLU) over ``(num_rows,
+    num_cols)`` on ``target``: :func:`row_tiles`, with the rows split over ``programs`` (grid axis 0) of
+    ``blocks_per_program`` row blocks each by :func:`~qvl.kernels.tiles.row_split`, one fp32 partial row of
+    the bias gradients per program."""
+    config = row_tiles(num_cols)
+    programs, blocks_per_program = row_split(num_rows, config["BLOCK_M"])
+    return dict(config, programs=programs, blocks_per_program=blocks_per_program)
+
+
+def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate: str, target: GPUTarget):
+    """The launches of bias_gelu's backward for checked arguments: ``dx = grad_y * gelu'(x + bias)`` (x's
+    shape and dtype) and its fp32 per-program column sums into ``partials`` ``(1, programs, F)``
+    (:func:`backward_launch_config`), then their reduction into ``dbias``. Mutates dx, partials, dbias;
+    empty when x is. Reads shapes and strides only (no device sync)."""
+    num_rows, num_cols = x.shape
+    if x.numel() == 0:
+        return []
+    config = backward_launch_config(num_rows, num_cols, target)
+    grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
+    args = (
+        x, bias, grad_y, dx, partials,
+        num_rows, num_cols, config.pop("blocks_per_program"),
+        x.stride(0), grad_y.stride(0), dx.stride(0),
+    )  # fmt: skip
+    return [
+        KernelLaunch(_bias_gelu_backward_kernel, grid, args, dict(config, APPROXIMATE=approximate)),
+        sum_partials_launch(partials, (dbias,)),
+    ]
+
+
 def _launch_bias_gelu(x, bias, y, approximate: str) -> None:
     run_launches(bias_gelu_launches(x, bias, y, approximate, device_target(x.device)), x.device)
 
@@ -129,6 +232,22 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
     v = x.to(compute) + bias.to(compute)
     y = v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
     return y.to(x.dtype).contiguous()
+
+
+def bias_gelu_backward_reference(
+    grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch bias_gelu backward in fp32 (float64 stays float64): ``(dx, dbias)`` in x's dtype, dx
+    contiguous, through torch's own GELU derivatives (QuickGELU's by the kernel's formula)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    v = x.to(compute) + bias.to(compute)
+    dy = grad_y.to(compute)
+    if approximate == "quick":
+        s = torch.sigmoid(1.702 * v)
+        dv = dy * (s + 1.702 * v * s * torch.sigmoid(-1.702 * v))
+    else:
+        dv = torch.ops.aten.gelu_backward(dy, v, approximate=approximate)
+    return dv.to(x.dtype).contiguous(), dv.sum(0).to(x.dtype)
 
 
 def _check_bias_gelu_args(op: str, x, bias, approximate) -> None:
@@ -162,7 +281,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     ``h @ W^T + b`` to the dtype before the GELU, the caller's bias-less GEMM rounds ``h @ W^T`` before
     the bias instead: results agree within one rounding of the dtype at the GELU's input (in fp32, within
     fp32 rounding). transformers' QuickGELU in a 16-bit dtype also rounds ``1.702 x`` and the sigmoid
-    before the product; qvl rounds once. Nothing is mutated. Forward only.
+    before the product; qvl rounds once. Nothing is mutated. Differentiable in x and bias
+    (:func:`bias_gelu_backward`; saves x and bias).
     """
     _check_bias_gelu_args("bias_gelu", x, bias, approximate)
     if backend_for(x.device) == "torch":
@@ -181,7 +301,12 @@ def _(x, bias, approximate="none"):
 @torch.library.custom_op("qvl::bias_gelu_", mutates_args=("x",), device_types=("cpu", "cuda"))
 def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> None:
     """In-place :func:`bias_gelu`: overwrites ``x`` with ``gelu(x + bias)`` where it lies (row-strided
-    views included; ``bias`` must not overlap ``x``). Returns nothing."""
+    views included; ``bias`` must not overlap ``x``). Returns nothing.
+
+    No backward: torch.library supports autograd for functional custom ops only. Called with grad mode on
+    and ``x`` or ``bias`` requiring grad it raises a RuntimeError pointing to the out-of-place
+    :func:`bias_gelu` (which has one), instead of mutating ``x`` behind autograd's back; under
+    ``torch.no_grad()`` or with inputs that need no grad it runs as before."""
     _check_bias_gelu_args("bias_gelu_", x, bias, approximate)
     if backend_for(x.device) == "torch":
         x.copy_(bias_gelu_reference(x, bias, approximate))
@@ -192,3 +317,63 @@ def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -
 @bias_gelu_.register_fake
 def _(x, bias, approximate="none"):
     _check_bias_gelu_args("bias_gelu_", x, bias, approximate)
+
+
+refuse_autograd("bias_gelu_", "torch.ops.qvl.bias_gelu(x, bias, approximate)")
+
+
+@torch.library.custom_op("qvl::bias_gelu_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def bias_gelu_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of :func:`bias_gelu`.
+
+    Args:
+        grad_y: ``(N, F)`` gradient of the output, x's dtype, last dim contiguous (row stride free).
+        x, bias, approximate: the forward's inputs, checked as :func:`bias_gelu` checks them.
+
+    Returns new ``(dx (N, F) contiguous, dbias (F,))`` in x's dtype: ``dx = grad_y * gelu'(x + bias)`` in fp32,
+    rounded once; ``dbias`` its column sums in fp32 (per-program partial sums added in a fixed order:
+    deterministic), rounded once. Nothing is mutated.
+    """
+    _check_bias_gelu_backward_args(grad_y, x, bias, approximate)
+    if backend_for(x.device) == "torch":
+        return bias_gelu_backward_reference(grad_y, x, bias, approximate)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # With no rows nothing is launched and the bias gradient is zeros.
+    dbias = torch.empty_like(bias) if x.shape[0] else torch.zeros_like(bias)
+    target = device_target(x.device)
+    programs = backward_launch_config(x.shape[0], x.shape[1], target)["programs"]
+    partials = torch.empty((1, programs, x.shape[1]), dtype=torch.float32, device=x.device)
+    run_launches(bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, target), x.device)
+    return dx, dbias
+
+
+def _check_bias_gelu_backward_args(grad_y, x, bias, approximate) -> None:
+    op = "bias_gelu_backward"
+    _check_bias_gelu_args(op, x, bias, approximate)
+    check_tensor(op, "grad_y", grad_y, ndim=2, dtypes=(x.dtype,), last_dim_contiguous=True)
+    if grad_y.shape != x.shape:
+        raise ValueError(f"{op}: grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
+    check_same_device(op, {"x": x, "grad_y": grad_y})
+
+
+@bias_gelu_backward.register_fake
+def _(grad_y, x, bias, approximate="none"):
+    _check_bias_gelu_backward_args(grad_y, x, bias, approximate)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(bias)
+
+
+def _bias_gelu_setup_context(ctx, inputs, output):
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
+
+
+def _bias_gelu_backward(ctx, grad_y):
+    x, bias = ctx.saved_tensors
+    dx, dbias = bias_gelu_backward(last_dim_contiguous(grad_y), x, bias, ctx.approximate)
+    return dx, dbias, None
+
+
+bias_gelu.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup_context)

@@ -8,6 +8,14 @@ variance come from one read of the row, with the variance taken over centered va
 
 The row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`)
 and the argument checks (:func:`check_norm_args`) are shared with RMSNorm (:mod:`qvl.kernels.rms_norm`).
+
+Backward (``torch.ops.qvl.layer_norm_backward``, registered as both ops' autograd formula): one kernel
+computes ``dx`` per row in fp32 and sums ``dweight``/``dbias`` over each program's rows into fp32 partial
+rows, which a second launch adds in a fixed order (:mod:`qvl.kernels.tiles`): no atomics, the same bits on
+every run. The forward outputs no mean or rstd; the backward recomputes them from the row it has to read
+anyway (``x``, or ``add_layer_norm``'s stored ``h``) with the forward's own arithmetic, which costs no memory
+traffic, whereas saving them would make the inference forward write (and the op return) tensors that only
+training reads.
 """
 
 from __future__ import annotations
@@ -30,13 +38,20 @@ from .common import (
     device_target,
     run_launches,
 )
+from .tiles import last_dim_contiguous, row_split, sum_partials_launch
 
 __all__ = [
     "MAX_NORM_DIM",
     "add_layer_norm",
     "add_layer_norm_reference",
+    "backward_launch_config",
+    "check_norm_backward_args",
     "launch_config",
+    "norm_partials",
     "layer_norm",
+    "layer_norm_backward",
+    "layer_norm_backward_launches",
+    "layer_norm_backward_reference",
     "layer_norm_launches",
     "layer_norm_reference",
 ]
@@ -105,6 +120,64 @@ def _layer_norm_kernel(
     tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
+def _layer_norm_backward_kernel(
+    # pointers
+    X,
+    Weight,
+    DY,
+    DH,
+    DX,
+    Partials,
+    # sizes
+    num_rows,
+    num_cols,
+    blocks_per_program,
+    # scalars
+    eps,
+    # strides (rows; the partials' K dim); the last dims are contiguous
+    stride_xm,
+    stride_dym,
+    stride_dhm,
+    stride_dxm,
+    stride_pk,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_cols
+    weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    dweight = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dbias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for block in range(0, blocks_per_program):
+        rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < num_rows)[:, None] & mask_c[None, :]
+        # The forward's statistics, recomputed exactly as the forward kernel computes them.
+        x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / num_cols
+        centered = tl.where(mask_c[None, :], x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / num_cols + eps)
+        x_hat = centered * rstd[:, None]
+        dy = tl.load(DY + rows[:, None] * stride_dym + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        # dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), g = dy * weight (0 in padding and masked rows).
+        g = dy * weight[None, :]
+        mean_g = tl.sum(g, axis=1) / num_cols
+        mean_gx = tl.sum(g * x_hat, axis=1) / num_cols
+        dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
+        if HAS_DELTA:
+            # add_layer_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
+            dx += tl.load(DH + rows[:, None] * stride_dhm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dweight += tl.sum(dy * x_hat, axis=0)
+        dbias += tl.sum(dy, axis=0)
+    partial = Partials + pid.to(tl.int64) * num_cols + offs_c
+    tl.store(partial, dweight, mask=mask_c)
+    tl.store(partial + stride_pk, dbias, mask=mask_c)
+
+
 def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
     """Everything the norm launch passes besides tensors and scalars, for rows of ``num_cols`` (with the
     residual add when ``has_delta``) on ``target``. Every target gets the same values (the interpreter
@@ -136,6 +209,51 @@ def layer_norm_launches(x, delta, h, weight, bias, y, eps: float, target: GPUTar
     return [KernelLaunch(_layer_norm_kernel, grid, args, config)]
 
 
+def backward_launch_config(num_rows: int, num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
+    """Everything the norm backward launch passes besides tensors and scalars (``blocks_per_program``
+    included), and ``programs``, the grid's size: the forward's row blocking (:func:`launch_config`) split over
+    programs by :func:`~qvl.kernels.tiles.row_split`. The backward holds about five fp32 tiles of the block
+    where the forward holds two, so it gets twice the forward's warps (up to 16) to keep them in registers.
+    RMSNorm's backward launches with the same values."""
+    config = launch_config(num_cols, has_delta, target)
+    programs, blocks_per_program = row_split(num_rows, config["BLOCK_M"])
+    config["num_warps"] = min(16, 2 * config["num_warps"])
+    return dict(config, programs=programs, blocks_per_program=blocks_per_program)
+
+
+def norm_partials(x: torch.Tensor, num_params: int) -> torch.Tensor:
+    """The fp32 ``(num_params, programs, C)`` partial-sum rows a norm backward over ``x`` writes (uninitialized:
+    every program writes its whole row)."""
+    config = backward_launch_config(x.shape[0], x.shape[1], False, device_target(x.device))
+    return torch.empty((num_params, config["programs"], x.shape[1]), dtype=torch.float32, device=x.device)
+
+
+def layer_norm_backward_launches(
+    grad_y, x, weight, grad_h, dx, partials, dweight, dbias, eps: float, target: GPUTarget
+) -> list[KernelLaunch]:
+    """The launches of LayerNorm's backward for checked arguments: ``dx`` (x's shape and dtype) and the fp32
+    ``partials`` (:func:`norm_partials` with 2 rows), then their reduction into ``dweight`` and ``dbias``.
+    ``x`` is the normalized input (add_layer_norm's stored ``h``); ``grad_h`` (or None) is added to ``dx``.
+    Mutates dx, partials, dweight, dbias; empty when x has no rows. Reads shapes and strides only (no device
+    sync)."""
+    num_rows, num_cols = x.shape
+    if num_rows == 0:
+        return []
+    has_delta = grad_h is not None
+    config = backward_launch_config(num_rows, num_cols, has_delta, target)
+    grid = (config.pop("programs"),)
+    args = (
+        x, weight, grad_y, grad_h if has_delta else grad_y, dx, partials,
+        num_rows, num_cols, config.pop("blocks_per_program"),
+        eps,
+        x.stride(0), grad_y.stride(0), grad_h.stride(0) if has_delta else 0, dx.stride(0), partials.stride(0),
+    )  # fmt: skip
+    return [
+        KernelLaunch(_layer_norm_backward_kernel, grid, args, config),
+        sum_partials_launch(partials, (dweight, dbias)),
+    ]
+
+
 def _launch_layer_norm(x, delta, h, weight, bias, y, eps: float) -> None:
     target = device_target(x.device)
     run_launches(layer_norm_launches(x, delta, h, weight, bias, y, eps, target), x.device)
@@ -155,6 +273,23 @@ def add_layer_norm_reference(
     """Pure-torch ``h = x + delta`` (rounded to x's dtype, as eager torch does) and ``layer_norm(h)``."""
     h = (x + delta).contiguous()
     return h, layer_norm_reference(h, weight, bias, eps)
+
+
+def layer_norm_backward_reference(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, grad_h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch LayerNorm backward in fp32 (float64 stays float64): ``(dx (+ grad_h), dweight, dbias)`` in
+    x's dtype, contiguous, by the formulas the kernel computes."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h, dy = x.to(compute), grad_y.to(compute)
+    centered = h - h.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = centered * rstd
+    g = dy * weight.to(compute)
+    dx = (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True)) * rstd
+    if grad_h is not None:
+        dx = dx + grad_h.to(compute)
+    return dx.to(x.dtype).contiguous(), (dy * x_hat).sum(0).to(x.dtype), dy.sum(0).to(x.dtype)
 
 
 def _check_eps(op: str, eps: object) -> None:
@@ -193,6 +328,23 @@ def check_norm_args(op: str, x, weight, bias, eps, delta=None) -> None:
     _check_eps(op, eps)
 
 
+def check_norm_backward_args(op: str, grad_y, x, weight, eps, grad_h=None) -> None:
+    """The norm backward ops' argument checks: x, weight and eps as the forward checks them; grad_y (and
+    grad_h) of x's shape and dtype on x's device, last dim contiguous (row strides free)."""
+    check_norm_args(op, x, weight, None, eps)
+    named = {"x": x}
+    for name, grad in (("grad_y", grad_y), ("grad_h", grad_h)):
+        if grad is None and name == "grad_h":
+            continue
+        check_tensor(op, name, grad, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+        if grad.shape != x.shape:
+            raise ValueError(f"{op}: {name} must have x's shape {tuple(x.shape)}, got {tuple(grad.shape)}")
+        if grad.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} must have x's dtype {x.dtype}, got {grad.dtype}")
+        named[name] = grad
+    check_same_device(op, named)
+
+
 @torch.library.custom_op("qvl::layer_norm", mutates_args=(), device_types=("cpu", "cuda"))
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """LayerNorm of each row of ``x``: ``(x - mean) / sqrt(var + eps) * weight + bias`` (biased variance).
@@ -205,7 +357,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
     Returns a new contiguous ``(N, C)`` tensor in x's dtype. Mean and variance (of the centered values)
     in fp32, as ``torch.nn.LayerNorm`` computes them; one rounding on the output. Nothing is mutated.
-    Forward only (no autograd).
+    Differentiable in x, weight and bias (:func:`layer_norm_backward`; saves x and weight).
     """
     check_norm_args("layer_norm", x, weight, bias, eps)
     if backend_for(x.device) == "torch":
@@ -235,7 +387,8 @@ def add_layer_norm(
     ``h`` is rounded to x's dtype exactly as eager ``x + delta`` rounds it (fp32 add, one rounding) and
     the norm is computed from that rounded ``h``, so the pair equals eager ``h = x + delta; norm(h)``
     within the norm's own rounding. Returns two new contiguous ``(N, C)`` tensors; nothing is mutated.
-    One kernel reads x and delta once and writes h and the norm once. Forward only.
+    One kernel reads x and delta once and writes h and the norm once. Differentiable in x, delta, weight and
+    bias (:func:`layer_norm_backward` with ``grad_h``; saves h and weight; x and delta get the same gradient).
     """
     check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
     if backend_for(x.device) == "torch":
@@ -250,3 +403,75 @@ def add_layer_norm(
 def _(x, delta, weight, bias, eps=1e-6):
     check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("qvl::layer_norm_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def layer_norm_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, grad_h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`layer_norm` (and, with ``grad_h``, of :func:`add_layer_norm`).
+
+    Args:
+        grad_y: ``(N, C)`` gradient of the norm's output, x's dtype, last dim contiguous (row stride free).
+        x: the normalized ``(N, C)`` input (add_layer_norm's ``h``), checked as :func:`layer_norm` checks it.
+        weight: ``(C,)`` in x's dtype. eps: the forward's.
+        grad_h: None, or add_layer_norm's ``(N, C)`` gradient of ``h``, added to ``dx``.
+
+    Returns new contiguous ``(dx (N, C), dweight (C,), dbias (C,))`` in x's dtype, each rounded once from fp32:
+    mean and rstd recomputed from x as the forward computes them,
+    ``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) (+ grad_h)`` with ``g = grad_y * weight``,
+    ``dweight = sum_rows grad_y * x_hat``, ``dbias = sum_rows grad_y`` (per-program fp32 partial sums added in
+    a fixed order: deterministic). Nothing is mutated.
+    """
+    check_norm_backward_args("layer_norm_backward", grad_y, x, weight, eps, grad_h)
+    if backend_for(x.device) == "torch":
+        return layer_norm_backward_reference(grad_y, x, weight, eps, grad_h)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # With no rows nothing is launched and the parameter gradients are zeros.
+    new_param = torch.empty_like if x.shape[0] else torch.zeros_like
+    dweight, dbias = new_param(weight), new_param(weight)
+    partials = norm_partials(x, 2)
+    launches = layer_norm_backward_launches(
+        grad_y, x, weight, grad_h, dx, partials, dweight, dbias, eps, device_target(x.device)
+    )
+    run_launches(launches, x.device)
+    return dx, dweight, dbias
+
+
+@layer_norm_backward.register_fake
+def _(grad_y, x, weight, eps, grad_h=None):
+    check_norm_backward_args("layer_norm_backward", grad_y, x, weight, eps, grad_h)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, _, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _layer_norm_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_backward(last_dim_contiguous(grad_y), x, weight, ctx.eps)
+    return dx, dweight, dbias, None
+
+
+layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+
+
+def _add_layer_norm_setup_context(ctx, inputs, output):
+    weight, eps = inputs[2], inputs[4]
+    # The norm's input is the stored, rounded sum h: saved instead of x and delta.
+    ctx.save_for_backward(output[0], weight)
+    ctx.eps = eps
+
+
+def _add_layer_norm_backward(ctx, grad_h, grad_y):
+    h, weight = ctx.saved_tensors
+    grad_h, grad_y = last_dim_contiguous(grad_h), last_dim_contiguous(grad_y)
+    dh, dweight, dbias = layer_norm_backward(grad_y, h, weight, ctx.eps, grad_h)
+    # d(x + delta)/dx = d(x + delta)/ddelta = 1: one tensor serves both (autograd copies before accumulating).
+    return dh, dh, dweight, dbias, None
+
+
+add_layer_norm.register_autograd(_add_layer_norm_backward, setup_context=_add_layer_norm_setup_context)

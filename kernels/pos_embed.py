@@ -10,6 +10,14 @@ hidden dtype first exactly as that expression does.
 
 The indices and weights are host-side metadata built once per batch (``qvl.vit.metadata``), so one
 launch covers every image of the batch whatever its size; the grid is (token blocks, channel blocks).
+
+Backward (``torch.ops.qvl.pos_embed_interp_backward``, pos_embed_interp's autograd formula): the table's
+gradient is a scatter-add, ``d_table[idx[t, k]] += w[t, k] * grad[t]``, computed without atomics and
+deterministically, bit for bit from run to run: a stable device-side sort of the ``4T`` (token, tap) pairs
+by table row and a binary search for each row's run (no device-to-host sync), then one program per
+(table row, channel block) sums its run in (token, tap) order in fp32 and writes the row once, rounded once.
+So ``torch.use_deterministic_algorithms(True)`` needs nothing more. No gradient flows to ``interp_weights``
+(geometry metadata); ``pos_embed_interp_add_`` has no backward and refuses calls that would need one.
 """
 
 from __future__ import annotations
@@ -29,11 +37,15 @@ from .common import (
     run_launches,
     value_checks_enabled,
 )
+from .tiles import last_dim_contiguous, refuse_autograd
 
 __all__ = [
     "launch_config",
     "pos_embed_interp",
     "pos_embed_interp_add_",
+    "pos_embed_interp_backward",
+    "pos_embed_interp_backward_launches",
+    "pos_embed_interp_backward_reference",
     "pos_embed_interp_launches",
     "pos_embed_interp_reference",
 ]
@@ -88,6 +100,42 @@ def _pos_embed_interp_kernel(
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _pos_embed_interp_backward_kernel(
+    # pointers
+    GradOut,
+    Order,
+    RunStarts,
+    Weights,
+    GradTable,
+    # sizes
+    channels,
+    # strides; the gradients' last dims are contiguous
+    stride_gt,
+    stride_wt,
+    stride_wk,
+    stride_dv,
+    # meta-parameters
+    NUM_TAPS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # Program (r, j): table row r, channel block j. Order holds the flat (token * NUM_TAPS + tap) pairs sorted
+    # stably by table row; row r's pairs are Order[RunStarts[r]:RunStarts[r + 1]], in (token, tap) order.
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < channels
+    start = tl.load(RunStarts + row)
+    end = tl.load(RunStarts + row + 1)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for i in range(start, end):
+        pair = tl.load(Order + i)
+        token = pair // NUM_TAPS
+        weight = tl.load(Weights + token * stride_wt + (pair % NUM_TAPS) * stride_wk)
+        grad = tl.load(GradOut + token * stride_gt + offs_c, mask=mask_c, other=0.0)
+        acc += grad.to(tl.float32) * weight
+    tl.store(GradTable + row * stride_dv + offs_c, acc.to(GradTable.dtype.element_ty), mask=mask_c)
+
+
 def _interp_fp32(pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor) -> torch.Tensor:
     """The blended rows in fp32, ``(T, C)``, with transformers' arithmetic."""
     rows = torch.nn.functional.embedding(interp_indices.long(), pos_embed)  # (T, 4, C)
@@ -99,6 +147,18 @@ def pos_embed_interp_reference(
 ) -> torch.Tensor:
     """Pure-torch :func:`pos_embed_interp`: ``(T, C)`` in pos_embed's dtype (materialises ``(T, 4, C)``)."""
     return _interp_fp32(pos_embed, interp_indices, interp_weights).to(pos_embed.dtype)
+
+
+def pos_embed_interp_backward_reference(
+    grad_out: torch.Tensor, pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """Pure-torch table gradient: ``index_add`` of ``w[t, k] * grad_out[t]`` (fp32; float64 stays float64)
+    into the rows ``idx[t, k]``, rounded once to pos_embed's dtype."""
+    compute = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    contributions = grad_out.to(compute)[:, None, :] * interp_weights.to(compute)[:, :, None]  # (T, 4, C)
+    grad = torch.zeros(pos_embed.shape, dtype=compute, device=pos_embed.device)
+    grad.index_add_(0, interp_indices.flatten().long(), contributions.flatten(0, 1))
+    return grad.to(pos_embed.dtype)
 
 
 def _check_interp_args(op: str, pos_embed, interp_indices, interp_weights, read_values: bool = True) -> None:
@@ -166,6 +226,26 @@ def pos_embed_interp_launches(
     return [KernelLaunch(_pos_embed_interp_kernel, grid, args, {**config, "ADD": add})]
 
 
+def pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weights, grad_table, target: GPUTarget):
+    """The launch writing every row of ``grad_table`` ``(R, C)`` from ``grad_out`` ``(T, C)`` for checked
+    arguments: ``order`` (int64 ``(4T,)``, the flat (token, tap) pairs sorted stably by table row) and
+    ``run_starts`` (int64 ``(R + 1,)``, where each row's run starts in ``order``). Mutates grad_table only;
+    empty when it is. Reads shapes and strides only (no device sync)."""
+    num_rows, channels = grad_table.shape
+    if num_rows == 0 or channels == 0:
+        return []
+    config = launch_config(channels, target)
+    grid = (num_rows, triton.cdiv(channels, config["BLOCK_C"]))
+    args = (
+        grad_out, order, run_starts, interp_weights, grad_table,
+        channels,
+        grad_out.stride(0), interp_weights.stride(0), interp_weights.stride(1), grad_table.stride(0),
+    )  # fmt: skip
+    # The run loop adds products in fp32 one at a time; only the tile sizes of the forward apply.
+    kwargs = dict(NUM_TAPS=NUM_TAPS, BLOCK_C=config["BLOCK_C"], num_warps=1, enable_fp_fusion=False)
+    return [KernelLaunch(_pos_embed_interp_backward_kernel, grid, args, kwargs)]
+
+
 def _launch_interp(pos_embed, interp_indices, interp_weights, out, add: bool) -> None:
     target = device_target(out.device)
     run_launches(pos_embed_interp_launches(pos_embed, interp_indices, interp_weights, out, add, target), out.device)
@@ -185,6 +265,8 @@ def pos_embed_interp(
 
     Returns contiguous ``(T, C)`` in pos_embed's dtype: the fp32 blend ``sum_k pos_embed[idx_k] * w_k``
     (products rounded, summed in tap order) cast once. All on one device. Nothing is mutated.
+    Differentiable in pos_embed (:func:`pos_embed_interp_backward`, deterministic; saves the three inputs);
+    interp_weights must not require grad (RuntimeError).
     """
     _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights)
     if backend_for(pos_embed.device) == "torch":
@@ -214,6 +296,12 @@ def pos_embed_interp_add_(
 
     Each element becomes ``round(x + round(pos))``, rounding to hidden_states' dtype, where ``pos`` is
     the fp32 blend. Returns nothing. hidden_states must not overlap pos_embed.
+
+    No backward: torch.library supports autograd for functional custom ops only. Called with grad mode on
+    and an input requiring grad it raises a RuntimeError pointing to the out-of-place
+    ``hidden_states + pos_embed_interp(...).to(hidden_states.dtype)`` (differentiable in both), instead of
+    mutating ``hidden_states`` behind autograd's back; under ``torch.no_grad()`` or with inputs that need no
+    grad it runs as before.
     """
     _check_add_args("pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights)
     if backend_for(hidden_states.device) == "torch":
@@ -228,3 +316,74 @@ def _(hidden_states, pos_embed, interp_indices, interp_weights):
     _check_add_args(
         "pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights, read_values=False
     )
+
+
+refuse_autograd(
+    "pos_embed_interp_add_",
+    "hidden_states + torch.ops.qvl.pos_embed_interp(pos_embed, interp_indices, interp_weights).to(hidden_states.dtype)",
+)
+
+
+@torch.library.custom_op("qvl::pos_embed_interp_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def pos_embed_interp_backward(
+    grad_out: torch.Tensor, pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """Backward of :func:`pos_embed_interp` to the table.
+
+    Args:
+        grad_out: ``(T, C)`` gradient of the output, pos_embed's dtype, last dim contiguous (row stride free).
+        pos_embed, interp_indices, interp_weights: the forward's inputs (pos_embed for its shape, dtype and
+            device only), checked as :func:`pos_embed_interp` checks them, indices' values not read.
+
+    Returns a new ``(G*G, C)`` tensor in pos_embed's dtype: ``sum over (t, k) with idx[t, k] == r`` of
+    ``w[t, k] * grad_out[t]`` in fp32, in (token, tap) order, rounded once; rows no token uses are 0.
+    Deterministic (no atomics; see the module docstring) and free of device-to-host syncs. Nothing is mutated.
+    """
+    _check_interp_backward_args(grad_out, pos_embed, interp_indices, interp_weights)
+    if backend_for(pos_embed.device) == "torch":
+        return pos_embed_interp_backward_reference(grad_out, pos_embed, interp_indices, interp_weights)
+    num_rows = pos_embed.shape[0]
+    # A stable sort keeps each row's pairs in (token, tap) order: the summation order, so the bits, are fixed.
+    sorted_rows, order = torch.sort(interp_indices.flatten(), stable=True)
+    bounds = torch.arange(num_rows + 1, dtype=sorted_rows.dtype, device=sorted_rows.device)
+    run_starts = torch.searchsorted(sorted_rows, bounds)
+    grad_table = torch.empty(pos_embed.shape, dtype=pos_embed.dtype, device=pos_embed.device)
+    target = device_target(pos_embed.device)
+    launches = pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weights, grad_table, target)
+    run_launches(launches, pos_embed.device)
+    return grad_table
+
+
+def _check_interp_backward_args(grad_out, pos_embed, interp_indices, interp_weights) -> None:
+    op = "pos_embed_interp_backward"
+    _check_interp_args(op, pos_embed, interp_indices, interp_weights, read_values=False)
+    check_tensor(op, "grad_out", grad_out, ndim=2, dtypes=(pos_embed.dtype,), last_dim_contiguous=True)
+    expected = (interp_indices.shape[0], pos_embed.shape[1])
+    if grad_out.shape != expected:
+        raise ValueError(f"{op}: grad_out must have shape (T, C) = {expected}, got {tuple(grad_out.shape)}")
+    check_same_device(op, {"pos_embed": pos_embed, "grad_out": grad_out})
+
+
+@pos_embed_interp_backward.register_fake
+def _(grad_out, pos_embed, interp_indices, interp_weights):
+    _check_interp_backward_args(grad_out, pos_embed, interp_indices, interp_weights)
+    return torch.empty_like(pos_embed)
+
+
+def _pos_embed_interp_setup_context(ctx, inputs, output):
+    pos_embed, interp_indices, interp_weights = inputs
+    if interp_weights.requires_grad:
+        raise RuntimeError(
+            "pos_embed_interp: no gradient flows to interp_weights (interpolation metadata); pass them "
+            "without requires_grad (e.g. interp_weights.detach())"
+        )
+    # The table is saved for its shape, dtype and device (a reference to the parameter, no copy).
+    ctx.save_for_backward(pos_embed, interp_indices, interp_weights)
+
+
+def _pos_embed_interp_backward(ctx, grad_out):
+    grad_table = pos_embed_interp_backward(last_dim_contiguous(grad_out), *ctx.saved_tensors)
+    return grad_table, None, None
+
+
+pos_embed_interp.register_autograd(_pos_embed_interp_backward, setup_context=_pos_embed_interp_setup_context)

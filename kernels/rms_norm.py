@@ -17,6 +17,13 @@ of one 16-bit dtype.
 The kernel is memory bound like LayerNorm's, and shares its family's parts in :mod:`qvl.kernels.layer_norm`:
 the row blocking (:func:`launch_config`: a program holds whole rows), the row load with the fused residual
 add (:func:`~qvl.kernels.layer_norm.load_norm_rows`) and the argument checks.
+
+Backward (``torch.ops.qvl.rms_norm_backward``, both ops' autograd formula) as LayerNorm's: ``dx`` per row in
+fp32 in one kernel, ``dweight`` as per-program fp32 partial sums added in a fixed order afterwards
+(deterministic), rstd recomputed from the row the backward reads anyway instead of saved by the forward
+(see :mod:`qvl.kernels.layer_norm`). The weight multiplies the *rounded* normalized row, so ``dweight`` sums
+``grad_y`` times that rounded row, the exact derivative of what the forward computes; ``dx`` treats the
+rounding as the identity, as autograd does with transformers' ``.to(x.dtype)``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from .common import KernelLaunch, backend_for, device_target, run_launches
-from .layer_norm import MAX_NORM_DIM, check_norm_args, launch_config, load_norm_rows
+from .layer_norm import (
+    MAX_NORM_DIM,
+    backward_launch_config,
+    check_norm_args,
+    check_norm_backward_args,
+    launch_config,
+    load_norm_rows,
+    norm_partials,
+)
+from .tiles import last_dim_contiguous, sum_partials_launch
 
 __all__ = [
     "MAX_NORM_DIM",
@@ -35,6 +51,9 @@ __all__ = [
     "add_rms_norm_reference",
     "launch_config",
     "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_backward_launches",
+    "rms_norm_backward_reference",
     "rms_norm_launches",
     "rms_norm_reference",
 ]
@@ -79,6 +98,57 @@ def _rms_norm_kernel(
     tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
+def _rms_norm_backward_kernel(
+    # pointers
+    X,
+    Weight,
+    DY,
+    DH,
+    DX,
+    Partials,
+    # sizes
+    num_rows,
+    num_cols,
+    blocks_per_program,
+    # scalars
+    eps,
+    # strides (rows); the last dims are contiguous
+    stride_xm,
+    stride_dym,
+    stride_dhm,
+    stride_dxm,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_cols
+    weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    dweight = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for block in range(0, blocks_per_program):
+        rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < num_rows)[:, None] & mask_c[None, :]
+        # The forward's rstd and rounded normalized row, recomputed as the forward kernel computes them.
+        x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
+        x_hat = x * rstd[:, None]
+        normed = x_hat.to(DX.dtype.element_ty).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dym + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        # dx = rstd * (g - x_hat * mean(g * x_hat)), g = dy * weight (0 in padding and masked rows).
+        g = dy * weight[None, :]
+        mean_gx = tl.sum(g * x_hat, axis=1) / num_cols
+        dx = (g - x_hat * mean_gx[:, None]) * rstd[:, None]
+        if HAS_DELTA:
+            # add_rms_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
+            dx += tl.load(DH + rows[:, None] * stride_dhm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dweight += tl.sum(dy * normed, axis=0)
+    tl.store(Partials + pid.to(tl.int64) * num_cols + offs_c, dweight, mask=mask_c)
+
+
 def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
     """The launch RMS-normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given)
     into ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device
@@ -98,6 +168,29 @@ def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> 
     return [KernelLaunch(_rms_norm_kernel, grid, args, config)]
 
 
+def rms_norm_backward_launches(
+    grad_y, x, weight, grad_h, dx, partials, dweight, eps: float, target: GPUTarget
+) -> list[KernelLaunch]:
+    """The launches of RMSNorm's backward for checked arguments: ``dx`` (x's shape and dtype) and the fp32
+    ``partials`` (:func:`~qvl.kernels.layer_norm.norm_partials` with 1 row), then their reduction into
+    ``dweight``. ``x`` is the normalized input (add_rms_norm's stored ``h``); ``grad_h`` (or None) is added
+    to ``dx``. Mutates dx, partials, dweight; empty when x has no rows. Reads shapes and strides only (no
+    device sync)."""
+    num_rows, num_cols = x.shape
+    if num_rows == 0:
+        return []
+    has_delta = grad_h is not None
+    config = backward_launch_config(num_rows, num_cols, has_delta, target)
+    grid = (config.pop("programs"),)
+    args = (
+        x, weight, grad_y, grad_h if has_delta else grad_y, dx, partials,
+        num_rows, num_cols, config.pop("blocks_per_program"),
+        eps,
+        x.stride(0), grad_y.stride(0), grad_h.stride(0) if has_delta else 0, dx.stride(0),
+    )  # fmt: skip
+    return [KernelLaunch(_rms_norm_backward_kernel, grid, args, config), sum_partials_launch(partials, (dweight,))]
+
+
 def _launch_rms_norm(x, delta, h, weight, y, eps: float) -> None:
     run_launches(rms_norm_launches(x, delta, h, weight, y, eps, device_target(x.device)), x.device)
 
@@ -110,6 +203,23 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
     h = x.to(compute)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h.to(x.dtype)).contiguous()
+
+
+def rms_norm_backward_reference(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, grad_h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch RMSNorm backward in fp32 (float64 stays float64): ``(dx (+ grad_h), dweight)`` in x's dtype,
+    contiguous, by the formulas the kernel computes."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h, dy = x.to(compute), grad_y.to(compute)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = h * rstd
+    g = dy * weight.to(compute)
+    dx = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * rstd
+    if grad_h is not None:
+        dx = dx + grad_h.to(compute)
+    dweight = (dy * x_hat.to(x.dtype).to(compute)).sum(0)
+    return dx.to(x.dtype).contiguous(), dweight.to(x.dtype)
 
 
 def add_rms_norm_reference(
@@ -135,7 +245,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     Returns a new contiguous ``(N, C)`` tensor in x's dtype. The mean square and ``x * rstd`` in fp32,
     rounded to x's dtype, then the weight's product rounded again: the two roundings transformers makes
-    (see the module docstring). Nothing is mutated. Forward only (no autograd).
+    (see the module docstring). Nothing is mutated. Differentiable in x and weight
+    (:func:`rms_norm_backward`; saves x and weight).
     """
     check_norm_args("rms_norm", x, weight, None, eps)
     if backend_for(x.device) == "torch":
@@ -165,7 +276,8 @@ def add_rms_norm(
     ``h`` is rounded to x's dtype exactly as eager ``x + delta`` rounds it (fp32 add, one rounding) and
     the norm is computed from that rounded ``h``, so the pair equals eager ``h = x + delta; norm(h)``
     within the norm's own rounding. Returns two new contiguous ``(N, C)`` tensors; nothing is mutated.
-    One kernel reads x and delta once and writes h and the norm once. Forward only.
+    One kernel reads x and delta once and writes h and the norm once. Differentiable in x, delta and weight
+    (:func:`rms_norm_backward` with ``grad_h``; saves h and weight; x and delta get the same gradient).
     """
     check_norm_args("add_rms_norm", x, weight, None, eps, delta)
     if backend_for(x.device) == "torch":
@@ -180,3 +292,70 @@ def add_rms_norm(
 def _(x, delta, weight, eps=1e-6):
     check_norm_args("add_rms_norm", x, weight, None, eps, delta)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("qvl::rms_norm_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def rms_norm_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, grad_h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of :func:`rms_norm` (and, with ``grad_h``, of :func:`add_rms_norm`).
+
+    Args:
+        grad_y: ``(N, C)`` gradient of the norm's output, x's dtype, last dim contiguous (row stride free).
+        x: the normalized ``(N, C)`` input (add_rms_norm's ``h``), checked as :func:`rms_norm` checks it.
+        weight: ``(C,)`` in x's dtype. eps: the forward's.
+        grad_h: None, or add_rms_norm's ``(N, C)`` gradient of ``h``, added to ``dx``.
+
+    Returns new contiguous ``(dx (N, C), dweight (C,))`` in x's dtype, each rounded once from fp32: rstd
+    recomputed from x as the forward computes it, ``dx = rstd * (g - x_hat * mean(g * x_hat)) (+ grad_h)``
+    with ``g = grad_y * weight``, ``dweight = sum_rows grad_y * round(x_hat)`` (per-program fp32 partial sums
+    added in a fixed order: deterministic). Nothing is mutated.
+    """
+    check_norm_backward_args("rms_norm_backward", grad_y, x, weight, eps, grad_h)
+    if backend_for(x.device) == "torch":
+        return rms_norm_backward_reference(grad_y, x, weight, eps, grad_h)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # With no rows nothing is launched and the weight's gradient is zeros.
+    dweight = torch.empty_like(weight) if x.shape[0] else torch.zeros_like(weight)
+    partials = norm_partials(x, 1)
+    target = device_target(x.device)
+    run_launches(rms_norm_backward_launches(grad_y, x, weight, grad_h, dx, partials, dweight, eps, target), x.device)
+    return dx, dweight
+
+
+@rms_norm_backward.register_fake
+def _(grad_y, x, weight, eps, grad_h=None):
+    check_norm_backward_args("rms_norm_backward", grad_y, x, weight, eps, grad_h)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    dx, dweight = rms_norm_backward(last_dim_contiguous(grad_y), x, weight, ctx.eps)
+    return dx, dweight, None
+
+
+rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    weight, eps = inputs[2], inputs[3]
+    # The norm's input is the stored, rounded sum h: saved instead of x and delta.
+    ctx.save_for_backward(output[0], weight)
+    ctx.eps = eps
+
+
+def _add_rms_norm_backward(ctx, grad_h, grad_y):
+    h, weight = ctx.saved_tensors
+    dh, dweight = rms_norm_backward(last_dim_contiguous(grad_y), h, weight, ctx.eps, last_dim_contiguous(grad_h))
+    # d(x + delta)/dx = d(x + delta)/ddelta = 1: one tensor serves both (autograd copies before accumulating).
+    return dh, dh, dweight, None
+
+
+add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)

@@ -13,6 +13,12 @@ one GEMM over ``[W_gate; W_up]`` passes the two column halves of its ``(N, 2F)``
 stride 2F) without a copy, and a caller that runs two GEMMs (or shards gate and up separately across
 tensor-parallel ranks) passes two tensors. A single ``(N, 2F)`` argument would impose the stacked layout on
 every caller.
+
+Backward (``torch.ops.qvl.bias_swiglu_backward``, the op's autograd formula): one kernel recomputes
+``g = gate + gate_bias`` and ``u = up + up_bias`` from the saved inputs (the output is not saved: it is not
+part of the derivative), writes ``d_gate = dy * u * silu'(g)`` and ``d_up = dy * silu(g)`` and sums both over
+each program's rows into fp32 partial rows, which a second launch adds in a fixed order into the two bias
+gradients (:mod:`qvl.kernels.tiles`: no atomics, deterministic).
 """
 
 from __future__ import annotations
@@ -32,9 +38,18 @@ from .common import (
     device_target,
     run_launches,
 )
-from .gelu import row_tiles, times_sigmoid
+from .gelu import backward_launch_config, row_tiles, times_sigmoid
+from .tiles import last_dim_contiguous, sum_partials_launch
 
-__all__ = ["bias_swiglu", "bias_swiglu_launches", "bias_swiglu_reference", "launch_config"]
+__all__ = [
+    "bias_swiglu",
+    "bias_swiglu_backward",
+    "bias_swiglu_backward_launches",
+    "bias_swiglu_backward_reference",
+    "bias_swiglu_launches",
+    "bias_swiglu_reference",
+    "launch_config",
+]
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -71,6 +86,61 @@ def _bias_swiglu_kernel(
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
+def _bias_swiglu_backward_kernel(
+    # pointers
+    Gate,
+    Up,
+    GateBias,
+    UpBias,
+    DY,
+    DGate,
+    DUp,
+    Partials,
+    # sizes
+    num_rows,
+    num_cols,
+    blocks_per_program,
+    # strides (rows; the partials' K dim); the last dims are contiguous
+    stride_gm,
+    stride_um,
+    stride_dym,
+    stride_dgm,
+    stride_dum,
+    stride_pk,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < num_cols
+    gate_bias = tl.load(GateBias + cols, mask=mask_n, other=0.0).to(tl.float32)
+    up_bias = tl.load(UpBias + cols, mask=mask_n, other=0.0).to(tl.float32)
+    d_gate_bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    d_up_bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for block in range(0, blocks_per_program):
+        rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < num_rows)[:, None] & mask_n[None, :]
+        gate = tl.load(Gate + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+        up = tl.load(Up + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32) + gate_bias[None, :]
+        u = up.to(tl.float32) + up_bias[None, :]
+        # silu(g) = g s, s = sigmoid(g); silu'(g) = s + g s (1 - s), with 1 - s = sigmoid(-g) (no cancellation).
+        s = times_sigmoid(1.0, g)
+        d_up = dy * g * s
+        d_gate = dy * u * (s + g * s * times_sigmoid(1.0, -g))
+        tl.store(DGate + rows[:, None] * stride_dgm + cols[None, :], d_gate.to(DGate.dtype.element_ty), mask=mask)
+        tl.store(DUp + rows[:, None] * stride_dum + cols[None, :], d_up.to(DUp.dtype.element_ty), mask=mask)
+        # Masked elements have dy = 0, so they add nothing to the bias gradients.
+        d_gate_bias += tl.sum(d_gate, axis=0)
+        d_up_bias += tl.sum(d_up, axis=0)
+    partial = Partials + pid.to(tl.int64) * num_cols + cols
+    tl.store(partial, d_gate_bias, mask=mask_n)
+    tl.store(partial + stride_pk, d_up_bias, mask=mask_n)
+
+
 def launch_config(num_cols: int, target: GPUTarget) -> dict:
     """Everything the SwiGLU launch passes besides tensors and scalars, for rows of ``num_cols`` on
     ``target``: the elementwise epilogues' :func:`~qvl.kernels.gelu.row_tiles`. Every target gets the same
@@ -91,6 +161,30 @@ def bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target: GPUTarget) -> 
     return [KernelLaunch(_bias_swiglu_kernel, grid, args, config)]
 
 
+def bias_swiglu_backward_launches(
+    grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target: GPUTarget
+) -> list[KernelLaunch]:
+    """The launches of bias_swiglu's backward for checked arguments: ``d_gate``, ``d_up`` (gate's shape and
+    dtype) and their fp32 per-program column sums into ``partials`` ``(2, programs, F)``
+    (:func:`~qvl.kernels.gelu.backward_launch_config`), then their reduction into ``d_gate_bias`` and
+    ``d_up_bias``. Mutates the four gradients and partials; empty when gate is. Reads shapes and strides only
+    (no device sync)."""
+    num_rows, num_cols = gate.shape
+    if gate.numel() == 0:
+        return []
+    config = backward_launch_config(num_rows, num_cols, target)
+    grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
+    args = (
+        gate, up, gate_bias, up_bias, grad_y, d_gate, d_up, partials,
+        num_rows, num_cols, config.pop("blocks_per_program"),
+        gate.stride(0), up.stride(0), grad_y.stride(0), d_gate.stride(0), d_up.stride(0), partials.stride(0),
+    )  # fmt: skip
+    return [
+        KernelLaunch(_bias_swiglu_backward_kernel, grid, args, config),
+        sum_partials_launch(partials, (d_gate_bias, d_up_bias)),
+    ]
+
+
 def bias_swiglu_reference(
     gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, up_bias: torch.Tensor
 ) -> torch.Tensor:
@@ -100,6 +194,22 @@ def bias_swiglu_reference(
     g = gate.to(compute) + gate_bias.to(compute)
     u = up.to(compute) + up_bias.to(compute)
     return (F.silu(g) * u).to(gate.dtype).contiguous()
+
+
+def bias_swiglu_backward_reference(
+    grad_y: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, up_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch bias_swiglu backward in fp32 (float64 stays float64): ``(d_gate, d_up, d_gate_bias,
+    d_up_bias)`` in gate's dtype, the first two contiguous."""
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g = gate.to(compute) + gate_bias.to(compute)
+    u = up.to(compute) + up_bias.to(compute)
+    dy = grad_y.to(compute)
+    s = torch.sigmoid(g)
+    d_gate = dy * u * (s + g * s * torch.sigmoid(-g))
+    d_up = dy * g * s
+    dtype = gate.dtype
+    return d_gate.to(dtype).contiguous(), d_up.to(dtype).contiguous(), d_gate.sum(0).to(dtype), d_up.sum(0).to(dtype)
 
 
 def _check_bias_swiglu_args(op: str, gate, up, gate_bias, up_bias) -> None:
@@ -135,7 +245,7 @@ def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, u
     ``h @ W^T`` before the bias where eager rounds ``h @ W^T + b``, so each factor's input differs by at most
     one rounding of the dtype (in fp32, within fp32 rounding); eager in a 16-bit dtype then also rounds the
     SiLU and the product, which qvl does not (one rounding on the output instead of three). Nothing is
-    mutated. Forward only.
+    mutated. Differentiable in all four inputs (:func:`bias_swiglu_backward`; saves the four inputs).
     """
     _check_bias_swiglu_args("bias_swiglu", gate, up, gate_bias, up_bias)
     if backend_for(gate.device) == "torch":
@@ -150,3 +260,63 @@ def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, u
 def _(gate, up, gate_bias, up_bias):
     _check_bias_swiglu_args("bias_swiglu", gate, up, gate_bias, up_bias)
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("qvl::bias_swiglu_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def bias_swiglu_backward(
+    grad_y: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, up_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`bias_swiglu`.
+
+    Args:
+        grad_y: ``(N, F)`` gradient of the output, gate's dtype, last dim contiguous (row stride free).
+        gate, up, gate_bias, up_bias: the forward's inputs, checked as :func:`bias_swiglu` checks them.
+
+    Returns new ``(d_gate (N, F), d_up (N, F), d_gate_bias (F,), d_up_bias (F,))`` in gate's dtype, the first
+    two contiguous: with ``g = gate + gate_bias``, ``u = up + up_bias``, ``d_gate = grad_y * u * silu'(g)``
+    and ``d_up = grad_y * silu(g)`` in fp32, rounded once; the bias gradients their column sums in fp32
+    (per-program partial sums added in a fixed order: deterministic), rounded once. Nothing is mutated.
+    """
+    _check_bias_swiglu_backward_args(grad_y, gate, up, gate_bias, up_bias)
+    if backend_for(gate.device) == "torch":
+        return bias_swiglu_backward_reference(grad_y, gate, up, gate_bias, up_bias)
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    # With no rows nothing is launched and the bias gradients are zeros.
+    new_bias = torch.empty_like if gate.shape[0] else torch.zeros_like
+    d_gate_bias, d_up_bias = new_bias(gate_bias), new_bias(up_bias)
+    target = device_target(gate.device)
+    programs = backward_launch_config(gate.shape[0], gate.shape[1], target)["programs"]
+    partials = torch.empty((2, programs, gate.shape[1]), dtype=torch.float32, device=gate.device)
+    launches = bias_swiglu_backward_launches(
+        grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target
+    )
+    run_launches(launches, gate.device)
+    return d_gate, d_up, d_gate_bias, d_up_bias
+
+
+def _check_bias_swiglu_backward_args(grad_y, gate, up, gate_bias, up_bias) -> None:
+    op = "bias_swiglu_backward"
+    _check_bias_swiglu_args(op, gate, up, gate_bias, up_bias)
+    check_tensor(op, "grad_y", grad_y, ndim=2, dtypes=(gate.dtype,), last_dim_contiguous=True)
+    if grad_y.shape != gate.shape:
+        raise ValueError(f"{op}: grad_y must have gate's shape {tuple(gate.shape)}, got {tuple(grad_y.shape)}")
+    check_same_device(op, {"gate": gate, "grad_y": grad_y})
+
+
+@bias_swiglu_backward.register_fake
+def _(grad_y, gate, up, gate_bias, up_bias):
+    _check_bias_swiglu_backward_args(grad_y, gate, up, gate_bias, up_bias)
+    grads = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
+    return *grads, torch.empty_like(gate_bias), torch.empty_like(up_bias)
+
+
+def _bias_swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _bias_swiglu_backward(ctx, grad_y):
+    return bias_swiglu_backward(last_dim_contiguous(grad_y), *ctx.saved_tensors)
+
+
+bias_swiglu.register_autograd(_bias_swiglu_backward, setup_context=_bias_swiglu_setup_context)

@@ -177,3 +177,78 @@ def test_bad_inputs(case, argument_check_inputs):
     call, error, match = BAD_INPUTS[case]
     with pytest.raises(error, match=match):
         call(**argument_check_inputs)
+
+
+# Backward: gradients of x and bias against float64 autograd of the torch reference, held to the suite's rule
+# with torch's own autograd in the same dtype as the baseline.
+
+
+def eager_gelu(x, bias, approximate):
+    v = x + bias
+    return QuickGELUActivation()(v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_backward(dtype, approximate, backend, device):
+    torch.manual_seed(10)
+    x, bias = (t.detach().requires_grad_() for t in gelu_inputs(24, 300, dtype, device))
+    grad_y = row_strided(24, 300, dtype, device, pad=5)
+    got = torch.autograd.grad(torch.ops.qvl.bias_gelu(x, bias, approximate), (x, bias), grad_y)
+    x64, bias64 = (t.detach().double().requires_grad_() for t in (x, bias))
+    truth = torch.autograd.grad(eager_gelu(x64, bias64, approximate), (x64, bias64), grad_y.double())
+    baseline = torch.autograd.grad(eager_gelu(x, bias, approximate), (x, bias), grad_y)
+    assert_error_within(got, truth, baseline, what=f"bias_gelu {approximate} grads")
+
+
+@pytest.mark.parametrize("approximate", ["none", "quick"])
+def test_opcheck_autograd(approximate, device):
+    torch.manual_seed(11)
+    x = row_strided(24, 40, torch.float32, device).requires_grad_()
+    bias = torch.randn(40, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.qvl.bias_gelu.default, (x, bias, approximate))
+    grad_y = torch.randn(24, 40, device=device)
+    torch.library.opcheck(torch.ops.qvl.bias_gelu_backward.default, (grad_y, x.detach(), bias.detach(), approximate))
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_forward_backward_no_recompile(path, device):
+    """The three GELUs, forward and backward, compiled whole: one graph serves every token count."""
+    torch.manual_seed(12)
+    bias = torch.randn(72, device=device, requires_grad=True)
+
+    def gelus(x, fn=torch.ops.qvl.bias_gelu):
+        b = bias.to(x.dtype)
+        return (fn(x, b, "none") * fn(x, b, "tanh") + fn(x, b, "quick")).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(gelus, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        for index, rows in enumerate((67, 101)):
+            x = torch.randn(rows, 72, device=device, requires_grad=True)
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = torch.autograd.grad(compiled(x), (x, bias))
+            x64 = x.detach().double().requires_grad_()
+            truth = [t.double() for t in torch.autograd.grad(gelus(x64, eager_gelu), (x64, bias))]
+            baseline = torch.autograd.grad(gelus(x, eager_gelu), (x, bias))
+            assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")
+
+
+def test_inplace_refuses_autograd(device):
+    """bias_gelu_ has no backward: with grad mode on and an input requiring grad it raises, naming the op and
+    the out-of-place alternative, and leaves x untouched; without either it runs."""
+    x = torch.randn(8, 16, device=device)
+    bias = torch.randn(16, device=device, requires_grad=True)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=r"qvl::bias_gelu_ .*torch\.ops\.qvl\.bias_gelu\(x, bias"):
+        torch.ops.qvl.bias_gelu_(x, bias, "tanh")
+    with pytest.raises(RuntimeError, match="qvl::bias_gelu_"):
+        torch.ops.qvl.bias_gelu_(x.clone().requires_grad_(), bias.detach())
+    assert torch.equal(x, before)
+    with torch.no_grad():
+        torch.ops.qvl.bias_gelu_(x, bias, "tanh")
+    assert torch.equal(x, torch.ops.qvl.bias_gelu(before, bias.detach(), "tanh"))
+    torch.ops.qvl.bias_gelu_(before, bias.detach(), "tanh")
+    assert torch.equal(x, before)

@@ -6,11 +6,14 @@ eager ``F.layer_norm``'s own error in the dtype, plus two units of the dtype's r
 scale.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import norm_params, row_strided
+from qvl.kernels import force_backend
 from qvl.kernels.layer_norm import MAX_NORM_DIM, layer_norm_reference
 from tolerance import assert_error_within, resolution
 
@@ -115,3 +118,104 @@ def test_bad_inputs(case, argument_check_inputs):
     call, error, match = BAD_INPUTS[case]
     with pytest.raises(error, match=match):
         call(**argument_check_inputs)
+
+
+# Backward: gradients of every input against float64 autograd of the torch reference, held to the suite's rule
+# with torch's own autograd in the same dtype as the baseline.
+
+
+def norm_grad_inputs(rows, cols, dtype, device, seed):
+    torch.manual_seed(seed)
+    x = row_strided(rows, cols, dtype, device, scale=2.0, shift=3.0)
+    delta = row_strided(rows, cols, dtype, device, pad=3)
+    weight, bias = norm_params(cols, dtype, device)
+    grads = row_strided(rows, cols, dtype, device, pad=5), row_strided(rows, cols, dtype, device, pad=2)
+    return [t.detach().requires_grad_() for t in (x, delta, weight, bias)], grads
+
+
+def eager_add_layer_norm(x, delta, weight, bias):
+    h = x + delta
+    return h, F.layer_norm(h, (h.shape[1],), weight, bias, 1e-6)
+
+
+def assert_grads_within(qvl_fn, eager_fn, inputs, grads, what):
+    """Gradients of every input: qvl's against float64 autograd of ``eager_fn``, baseline eager's own."""
+    got = torch.autograd.grad(qvl_fn(*inputs), inputs, grads)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
+    baseline = torch.autograd.grad(eager_fn(*inputs), inputs, grads)
+    assert_error_within(got, truth, baseline, what=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(40, 72), (3, 1000)])
+def test_layer_norm_backward(dtype, shape, backend, device):
+    if dtype == torch.bfloat16 and backend == "interpreter":
+        pytest.skip("bf16 on the torch path only")
+    (x, delta, weight, bias), (grad_h, grad_y) = norm_grad_inputs(*shape, dtype, device, seed=10)
+
+    def eager_ln(x, weight, bias):
+        return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
+
+    def qvl_ln(x, weight, bias):
+        return torch.ops.qvl.layer_norm(x, weight, bias, 1e-6)
+
+    assert_grads_within(qvl_ln, eager_ln, [x, weight, bias], [grad_y], "layer_norm grads")
+
+    def qvl_add(x, delta, weight, bias):
+        return torch.ops.qvl.add_layer_norm(x, delta, weight, bias, 1e-6)
+
+    assert_grads_within(qvl_add, eager_add_layer_norm, [x, delta, weight, bias], [grad_h, grad_y], "add grads")
+
+
+def test_backward_is_deterministic_and_takes_expanded_grads(backend, device):
+    (x, _, weight, bias), _ = norm_grad_inputs(70, 40, torch.float32, device, seed=11)
+    runs = [torch.autograd.grad(torch.ops.qvl.layer_norm(x, weight, bias).sum(), (x, weight, bias)) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def backward_opcheck_cases(device):
+    (x, delta, weight, bias), (grad_h, grad_y) = norm_grad_inputs(24, 40, torch.float32, device, seed=12)
+    detached = [t.detach() for t in (x, weight)]
+    return {
+        "layer_norm": (torch.ops.qvl.layer_norm.default, (x, weight, bias, 1e-6)),
+        "add_layer_norm": (torch.ops.qvl.add_layer_norm.default, (x, delta, weight, bias, 1e-5)),
+        "layer_norm_backward": (torch.ops.qvl.layer_norm_backward.default, (grad_y, *detached, 1e-6, None)),
+        "layer_norm_backward_h": (torch.ops.qvl.layer_norm_backward.default, (grad_y, *detached, 1e-6, grad_h)),
+    }
+
+
+@pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "layer_norm_backward", "layer_norm_backward_h"])
+def test_opcheck_autograd(case, device):
+    op, args = backward_opcheck_cases(device)[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_forward_backward_no_recompile(path, device):
+    """A block's norms, forward and backward, compiled whole: one graph serves every token count."""
+    weight, bias = (t.requires_grad_() for t in norm_params(72, torch.float32, device))
+
+    def norms(x, delta):
+        h, y = torch.ops.qvl.add_layer_norm(x, delta, weight, bias, 1e-6)
+        return (torch.ops.qvl.layer_norm(h, weight, bias, 1e-6) * y).sum()
+
+    def norms_in_torch(x, delta):
+        h, y = eager_add_layer_norm(x, delta, weight.to(x.dtype), bias.to(x.dtype))
+        return (F.layer_norm(h, (72,), weight.to(x.dtype), bias.to(x.dtype), 1e-6) * y).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(norms, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        for index, rows in enumerate((67, 101)):
+            x, delta = (torch.randn(rows, 72, device=device, requires_grad=True) for _ in range(2))
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = torch.autograd.grad(compiled(x, delta), (x, delta, weight, bias))
+            inputs64 = [t.detach().double().requires_grad_() for t in (x, delta)]
+            truth = torch.autograd.grad(norms_in_torch(*inputs64), (*inputs64, weight, bias))
+            baseline = torch.autograd.grad(norms_in_torch(x, delta), (x, delta, weight, bias))
+            # weight and bias gradients of the float64 run come back in fp32: compare against their float64 sums.
+            truth = [t.double() for t in truth]
+            assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")

@@ -5,12 +5,15 @@ Tests run the Triton kernel (through the interpreter on CPU) by default and the 
 round to nearest, so bf16 results are held to bf16 rounding there and to exact equality elsewhere.
 """
 
+import contextlib
+
 import pytest
 import torch
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from qvl.kernels.common import force_backend
 from qvl.kernels.pos_embed import pos_embed_interp_reference
+from tolerance import assert_error_within
 
 SIDE = 48
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -234,3 +237,86 @@ def test_mixed_devices():
         torch.ops.qvl.pos_embed_interp(table, indices, weights.to("meta"))
     with pytest.raises(ValueError, match=r"hidden_states is on meta but pos_embed is on cpu"):
         torch.ops.qvl.pos_embed_interp_add_(torch.zeros(4, 16, device="meta"), table, indices, weights)
+
+
+# Backward: the table's gradient (a scatter-add over the 4 taps of every token).
+
+
+def eager_interp(table, indices, weights):
+    """transformers' arithmetic, differentiable: ``(embedding(idx) * w[..., None]).sum(1)`` in the table's
+    dtype."""
+    rows = torch.nn.functional.embedding(indices.long(), table)
+    return (
+        (rows * weights[:, :, None].to(rows.dtype if table.dtype == torch.float64 else torch.float32))
+        .sum(1)
+        .to(table.dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_interp_backward(device, dtype, backend):
+    """Against float64 autograd of transformers' arithmetic; torch's own autograd in the dtype is the baseline.
+    A small table (side 8) upsampled to larger grids makes many tokens share each row."""
+    indices, weights = plan([(1, 6, 10), (2, 8, 8)], device, side=8)
+    table = make_table(40, dtype, device, side=8).requires_grad_()
+    grad = torch.randn(indices.shape[0], 40 + 3, device=device).to(dtype)[:, :40]
+    with force_backend("torch") if backend == "torch" else contextlib.nullcontext():
+        (got,) = torch.autograd.grad(torch.ops.qvl.pos_embed_interp(table, indices, weights), table, grad)
+    table64 = table.detach().double().requires_grad_()
+    (truth,) = torch.autograd.grad(eager_interp(table64, indices, weights.double()), table64, grad.double())
+    (baseline,) = torch.autograd.grad(eager_interp(table, indices, weights), table, grad)
+    assert_error_within(got, truth, baseline, what="pos_embed grad")
+
+
+def test_interp_backward_deterministic_unused_rows_zero(device):
+    indices, weights = plan([(1, 2, 2)], device, side=8)
+    table = make_table(24, torch.float32, device, side=8).requires_grad_()
+    grads = [torch.autograd.grad(torch.ops.qvl.pos_embed_interp(table, indices, weights).sum(), table)[0] for _ in "ab"]
+    assert torch.equal(grads[0], grads[1])
+    unused = torch.ones(table.shape[0], dtype=torch.bool, device=device)
+    unused[indices.flatten().long()] = False
+    assert unused.any() and not grads[0][unused].any()
+
+
+def test_opcheck_autograd(device):
+    indices, weights = plan([(1, 6, 10)], device, side=8)
+    table = make_table(24, torch.float16, device, side=8).requires_grad_()
+    torch.library.opcheck(torch.ops.qvl.pos_embed_interp.default, (table, indices, weights))
+    grad = torch.randn(indices.shape[0], 24, device=device).half()
+    torch.library.opcheck(torch.ops.qvl.pos_embed_interp_backward.default, (grad, table.detach(), indices, weights))
+
+
+def test_compile_forward_backward_no_recompile(device):
+    """The table's gradient through a compiled graph: one graph serves every token count."""
+    torch._dynamo.reset()
+    table = make_table(32, torch.float32, device, side=8).requires_grad_()
+
+    def embed(hidden, indices, weights):
+        return (hidden + torch.ops.qvl.pos_embed_interp(table, indices, weights)).square().sum()
+
+    compiled = torch.compile(embed, fullgraph=True, dynamic=True)
+    # Token counts unlike every other size in play; both with T * C above 4096, a size threshold that AOT
+    # autograd guards on.
+    for grid, stance in (([(1, 6, 10), (2, 8, 8)], "default"), ([(1, 10, 14), (1, 2, 6)], "fail_on_recompile")):
+        indices, weights = plan(grid, device, side=8)
+        hidden = torch.randn(indices.shape[0], 32, device=device, requires_grad=True)
+        with torch.compiler.set_stance(stance):
+            got = torch.autograd.grad(compiled(hidden, indices, weights), (hidden, table))
+        expected = torch.autograd.grad(embed(hidden, indices, weights), (hidden, table))
+        assert torch.equal(got[0], expected[0])
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_refusals():
+    indices, weights = plan([(1, 2, 2)], "cpu")
+    table = make_table(16, torch.float32, "cpu").requires_grad_()
+    hidden = torch.zeros(4, 16)
+    with pytest.raises(RuntimeError, match=r"qvl::pos_embed_interp_add_ .*hidden_states \+ torch\.ops\.qvl\.pos_emb"):
+        torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+    assert not hidden.any()
+    with torch.no_grad():
+        torch.ops.qvl.pos_embed_interp_add_(hidden, table, indices, weights)
+    assert torch.equal(hidden, torch.ops.qvl.pos_embed_interp(table.detach(), indices, weights))
+    with pytest.raises(RuntimeError, match="no gradient flows to interp_weights"):
+        torch.ops.qvl.pos_embed_interp(table, indices, weights.clone().requires_grad_())

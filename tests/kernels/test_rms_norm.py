@@ -181,3 +181,93 @@ def test_bad_inputs(case, argument_check_inputs):
     call, error, match = BAD_INPUTS[case]
     with pytest.raises(error, match=match):
         call(**argument_check_inputs)
+
+
+# Backward: gradients of every input against float64 autograd of the torch reference (transformers' formula),
+# held to the suite's rule with torch's own autograd in the same dtype as the baseline.
+
+
+def assert_grads_within(qvl_fn, eager_fn, inputs, grads, what):
+    got = torch.autograd.grad(qvl_fn(*inputs), inputs, grads)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
+    baseline = torch.autograd.grad(eager_fn(*inputs), inputs, grads)
+    assert_error_within(got, truth, baseline, what=what)
+
+
+def grad_inputs(rows, cols, dtype, device, seed):
+    torch.manual_seed(seed)
+    x = row_strided(rows, cols, dtype, device, scale=2.0, shift=1.0)
+    delta = row_strided(rows, cols, dtype, device, pad=3)
+    weight, _ = norm_params(cols, dtype, device)
+    grads = row_strided(rows, cols, dtype, device, pad=5), row_strided(rows, cols, dtype, device, pad=2)
+    return [t.detach().requires_grad_() for t in (x, delta, weight)], grads
+
+
+def eager_add_rms_norm(x, delta, weight):
+    h = x + delta
+    return h, rms_norm_reference(h, weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(40, 72), (3, 1000)])
+def test_rms_norm_backward(dtype, shape, backend, device):
+    if dtype == torch.bfloat16 and backend == "interpreter":
+        pytest.skip("bf16 on the torch path only")
+    (x, delta, weight), (grad_h, grad_y) = grad_inputs(*shape, dtype, device, seed=10)
+    assert_grads_within(
+        lambda x, w: torch.ops.qvl.rms_norm(x, w, 1e-6), rms_norm_reference, [x, weight], [grad_y], "rms_norm grads"
+    )
+    assert_grads_within(
+        lambda x, d, w: torch.ops.qvl.add_rms_norm(x, d, w, 1e-6),
+        eager_add_rms_norm,
+        [x, delta, weight],
+        [grad_h, grad_y],
+        "add_rms_norm grads",
+    )
+
+
+def backward_opcheck_cases(device):
+    (x, delta, weight), (grad_h, grad_y) = grad_inputs(24, 40, torch.float32, device, seed=12)
+    detached = [t.detach() for t in (x, weight)]
+    return {
+        "rms_norm": (torch.ops.qvl.rms_norm.default, (x, weight, 1e-6)),
+        "add_rms_norm": (torch.ops.qvl.add_rms_norm.default, (x, delta, weight, 1e-5)),
+        "rms_norm_backward": (torch.ops.qvl.rms_norm_backward.default, (grad_y, *detached, 1e-6, None)),
+        "rms_norm_backward_h": (torch.ops.qvl.rms_norm_backward.default, (grad_y, *detached, 1e-6, grad_h)),
+    }
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_backward_h"])
+def test_opcheck_autograd(case, device):
+    op, args = backward_opcheck_cases(device)[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_forward_backward_no_recompile(path, device):
+    """A Qwen2.5-VL block's norms, forward and backward, compiled whole: one graph serves every token count."""
+    torch.manual_seed(13)
+    weight = norm_params(72, torch.float32, device)[0].requires_grad_()
+
+    def norms(x, delta):
+        h, y = torch.ops.qvl.add_rms_norm(x, delta, weight, 1e-6)
+        return (torch.ops.qvl.rms_norm(h, weight, 1e-6) * y).sum()
+
+    def norms_in_torch(x, delta):
+        h, y = eager_add_rms_norm(x, delta, weight.to(x.dtype))
+        return (rms_norm_reference(h, weight.to(x.dtype)) * y).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(norms, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        for index, rows in enumerate((67, 101)):
+            x, delta = (torch.randn(rows, 72, device=device, requires_grad=True) for _ in range(2))
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = torch.autograd.grad(compiled(x, delta), (x, delta, weight))
+            inputs64 = [t.detach().double().requires_grad_() for t in (x, delta)]
+            truth = [t.double() for t in torch.autograd.grad(norms_in_torch(*inputs64), (*inputs64, weight))]
+            baseline = torch.autograd.grad(norms_in_torch(x, delta), (x, delta, weight))
+            assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")

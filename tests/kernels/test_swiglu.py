@@ -154,3 +154,63 @@ def test_bad_inputs(case, argument_check_inputs):
     call, error, match = BAD_INPUTS[case]
     with pytest.raises(error, match=match):
         call(**argument_check_inputs)
+
+
+# Backward: gradients of all four inputs against float64 autograd of the torch reference, held to the suite's
+# rule with torch's own autograd of ``silu(gate + b_g) * (up + b_u)`` in the same dtype as the baseline.
+
+
+def eager_swiglu(gate, up, gate_bias, up_bias):
+    return F.silu(gate + gate_bias) * (up + up_bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_swiglu_backward(dtype, backend, device):
+    torch.manual_seed(10)
+    inputs = [t.detach().requires_grad_() for t in swiglu_inputs(24, 300, dtype, device)]
+    grad_y = row_strided(24, 300, dtype, device, pad=5)
+    got = torch.autograd.grad(torch.ops.qvl.bias_swiglu(*inputs), inputs, grad_y)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    truth = torch.autograd.grad(eager_swiglu(*inputs64), inputs64, grad_y.double())
+    baseline = torch.autograd.grad(eager_swiglu(*inputs), inputs, grad_y)
+    # Row 0 holds gate = 1e4 (d_up = 1e4 * dy): compared apart, so that its scale does not set the rest's eps.
+    for name, a, t, b in zip(("gate", "up"), got, truth, baseline):
+        assert_error_within(a[1:], t[1:], b[1:], what=f"d_{name}")
+        assert_error_within(a[0], t[0], b[0], what=f"d_{name} row 0")
+    assert_error_within(got[2:], truth[2:], baseline[2:], what="bias grads")
+
+
+def test_opcheck_autograd(device):
+    torch.manual_seed(11)
+    inputs = [t.detach().requires_grad_() for t in swiglu_inputs(24, 40, torch.float32, device)]
+    torch.library.opcheck(torch.ops.qvl.bias_swiglu.default, tuple(inputs))
+    grad_y = torch.randn(24, 40, device=device)
+    backward_args = (grad_y, *(t.detach() for t in inputs))
+    torch.library.opcheck(torch.ops.qvl.bias_swiglu_backward.default, backward_args)
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_compile_forward_backward_no_recompile(path, device):
+    """The MLP's SwiGLU, forward and backward, compiled whole: one graph serves every token count."""
+    torch.manual_seed(12)
+    gate_bias, up_bias = (torch.randn(72, device=device, requires_grad=True) for _ in range(2))
+
+    def swiglu_sum(gate, up, eager=False):
+        fn = eager_swiglu if eager else torch.ops.qvl.bias_swiglu
+        return fn(gate, up, gate_bias.to(gate.dtype), up_bias.to(gate.dtype)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(swiglu_sum, fullgraph=True, dynamic=True)
+    context = force_backend("torch") if path == "torch" else contextlib.nullcontext()
+    with context:
+        for index, rows in enumerate((67, 101)):
+            gate, up = (torch.randn(rows, 72, device=device, requires_grad=True) for _ in range(2))
+            stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+            with stance:
+                got = torch.autograd.grad(compiled(gate, up), (gate, up, gate_bias, up_bias))
+            inputs64 = [t.detach().double().requires_grad_() for t in (gate, up)]
+            truth = [
+                t.double() for t in torch.autograd.grad(swiglu_sum(*inputs64, True), (*inputs64, gate_bias, up_bias))
+            ]
+            baseline = torch.autograd.grad(swiglu_sum(gate, up, True), (gate, up, gate_bias, up_bias))
+            assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")
