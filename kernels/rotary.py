@@ -10,6 +10,10 @@ same tile helpers (:mod:`qvl.kernels.tiles`) rotate q inside ``torch.ops.qvl.vis
 given ``positions``. As in attention, layouts whose rows all start on 16-byte boundaries (packed qkv
 views, contiguous outputs) get strides the compiler can prove aligned, so rows load and store in 16-byte
 vectors.
+
+``rotary_2d`` is differentiable: its backward (``torch.ops.qvl.rotary_2d_backward``) is the same kernel
+rotating the gradients by the opposite angles. ``rotary_2d_`` mutates its inputs, for which torch.library
+registers no backward, so it refuses calls autograd would have to record.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .common import (
     run_launches,
     value_checks_enabled,
 )
-from .tiles import aligned_stride, rope_apply, rope_cos_sin, rope_dim_tables
+from .tiles import aligned_stride, last_dim_contiguous, refuse_autograd, rope_apply, rope_cos_sin, rope_dim_tables
 
 __all__ = [
     "check_positions",
@@ -43,6 +47,7 @@ __all__ = [
     "rope_inv_freq",
     "rotary_2d",
     "rotary_2d_",
+    "rotary_2d_backward",
     "rotary_2d_reference",
     "rotary_launches",
 ]
@@ -95,6 +100,7 @@ def _rotary_2d_kernel(
     BLOCK_T: tl.constexpr,
     ROTATE_Q: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
+    INVERSE: tl.constexpr,
 ):
     if STRIDES_ALIGNED:
         # Multiples of 16 bytes on the host; proven so here, rows move in 16-byte vectors.
@@ -112,6 +118,10 @@ def _rotary_2d_kernel(
     row_pos = tl.load(Positions + tokens * stride_pt, mask=mask_t, other=0)
     col_pos = tl.load(Positions + tokens * stride_pt + 1, mask=mask_t, other=0)
     inv_freq, from_col, partner, sign = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
+    if INVERSE:
+        # Dim d and its partner share one angle, so negating the sign rotates each pair by -angle: the
+        # inverse rotation, which is also its transpose (rotations are orthogonal), hence the backward.
+        sign = -sign
     cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
 
     if ROTATE_Q:
@@ -129,11 +139,12 @@ def rope_inv_freq(head_dim: int, rope_theta: float, device=None, dtype: torch.dt
 
 
 def rotary_2d_reference(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0, *, inverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch rotary: returns contiguous ``(q_rot, k_rot)`` in the inputs' dtypes.
 
-    Math in fp32 (float64 inputs stay float64, which the tests use as ground truth).
+    Math in fp32 (float64 inputs stay float64, which the tests use as ground truth). ``inverse`` rotates by
+    the opposite angles: the inverse rotation, which is also the rotary's backward.
     """
     head_dim = q.shape[-1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -141,7 +152,7 @@ def rotary_2d_reference(
     freqs = positions.to(compute)[..., None] * inv_freq  # (T, 2, D/4)
     angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # (T, 1, D)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos(), -angles.sin() if inverse else angles.sin()
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         xf = x.to(compute)
@@ -202,10 +213,13 @@ def launch_config(head_dim: int, target: GPUTarget) -> dict:
     )
 
 
-def rotary_launches(q, k, q_out, k_out, positions, rope_theta: float, target: GPUTarget) -> list[KernelLaunch]:
+def rotary_launches(
+    q, k, q_out, k_out, positions, rope_theta: float, target: GPUTarget, inverse: bool = False
+) -> list[KernelLaunch]:
     """The launch rotating ``q`` into ``q_out`` and ``k`` into ``k_out`` (``q`` and ``q_out`` None: ``k``
     alone), all ``(T, H, D)`` with a contiguous last dim, an output possibly its own input; empty when there
-    is nothing to rotate. Reads shapes, strides and data pointers only (no device sync)."""
+    is nothing to rotate. ``inverse`` rotates by the opposite angles (the backward of the rotation). Reads
+    shapes, strides and data pointers only (no device sync)."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0 or num_heads == 0:
         return []
@@ -220,8 +234,13 @@ def rotary_launches(q, k, q_out, k_out, positions, rope_theta: float, target: GP
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         positions.stride(0),
     )  # fmt: skip
-    flags = dict(ROTATE_Q=rotate_q, STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out))
+    flags = dict(ROTATE_Q=rotate_q, STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out), INVERSE=inverse)
     return [KernelLaunch(_rotary_2d_kernel, grid, args, {**config, **flags})]
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of x's shape, dtype and device (``empty_like`` would copy x's strides)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("qvl::rotary_2d", mutates_args=(), device_types=("cpu", "cuda"))
@@ -236,28 +255,72 @@ def rotary_2d(
         positions: int32 ``(T, 2)``: each token's (row, col) on its image's patch grid.
         rope_theta: rotary base (10000 in every released Qwen3-VL config).
 
-    Returns ``(T, H, D)`` tensors in q's dtype. Math in fp32. Nothing is mutated.
+    Returns ``(T, H, D)`` tensors in q's dtype. Math in fp32. Nothing is mutated. Differentiable in q and k:
+    the backward (:func:`rotary_2d_backward`) rotates the gradients back.
     """
     _check_rotary_args("rotary_2d", q, k, positions, rope_theta)
+    return _rotate(q, k, positions, rope_theta, inverse=False)
+
+
+def _rotate(q, k, positions, rope_theta, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """New contiguous rotated (or, with ``inverse``, rotated-back) q and k on the input's path."""
     if backend_for(q.device) == "torch":
-        return rotary_2d_reference(q, k, positions, rope_theta)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    run_launches(rotary_launches(q, k, q_out, k_out, positions, rope_theta, device_target(k.device)), k.device)
+        return rotary_2d_reference(q, k, positions, rope_theta, inverse=inverse)
+    q_out, k_out = _empty_like(q), _empty_like(k)
+    launches = rotary_launches(q, k, q_out, k_out, positions, rope_theta, device_target(k.device), inverse)
+    run_launches(launches, k.device)
     return q_out, k_out
 
 
 @rotary_2d.register_fake
 def _(q, k, positions, rope_theta=10000.0):
     _check_rotary_args("rotary_2d", q, k, positions, rope_theta, read_values=False)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return _empty_like(q), _empty_like(k)
+
+
+@torch.library.custom_op("qvl::rotary_2d_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def rotary_2d_backward(
+    grad_q: torch.Tensor, grad_k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`rotary_2d`: the gradients of its outputs rotated back by the same angles.
+
+    The rotation is orthogonal, so its transpose is its inverse: the rotary kernel with the sines negated.
+    Takes and returns what :func:`rotary_2d` does (``(T, H, D)``, last dim contiguous, new contiguous
+    outputs in the gradients' dtype, math in fp32). Nothing is mutated.
+    """
+    _check_rotary_args("rotary_2d_backward", grad_q, grad_k, positions, rope_theta, read_values=False)
+    return _rotate(grad_q, grad_k, positions, rope_theta, inverse=True)
+
+
+@rotary_2d_backward.register_fake
+def _(grad_q, grad_k, positions, rope_theta=10000.0):
+    _check_rotary_args("rotary_2d_backward", grad_q, grad_k, positions, rope_theta, read_values=False)
+    return _empty_like(grad_q), _empty_like(grad_k)
+
+
+def _rotary_setup_context(ctx, inputs, output) -> None:
+    _, _, positions, rope_theta = inputs
+    ctx.save_for_backward(positions)
+    ctx.rope_theta = rope_theta
+
+
+def _rotary_backward(ctx, grad_q, grad_k):
+    (positions,) = ctx.saved_tensors
+    grad_q, grad_k = last_dim_contiguous(grad_q), last_dim_contiguous(grad_k)
+    dq, dk = torch.ops.qvl.rotary_2d_backward(grad_q, grad_k, positions, ctx.rope_theta)
+    return dq, dk, None, None
+
+
+rotary_2d.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
 
 
 @torch.library.custom_op("qvl::rotary_2d_", mutates_args=("q", "k"), device_types=("cpu", "cuda"))
 def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0) -> None:
     """In-place :func:`rotary_2d`: rotates q and k where they lie (views of a packed qkv included).
 
-    q and k must not overlap each other. Returns nothing; mutates ``q`` and ``k``.
+    q and k must not overlap each other. Returns nothing; mutates ``q`` and ``k``. No autograd (torch.library
+    gives backward formulas to functional ops only): with grad mode on and q or k requiring grad it raises
+    RuntimeError before mutating anything; use :func:`rotary_2d`, or ``vision_attn(..., positions=...)``.
     """
     _check_rotary_args("rotary_2d_", q, k, positions, rope_theta)
     if backend_for(q.device) == "torch":
@@ -271,3 +334,6 @@ def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_t
 @rotary_2d_.register_fake
 def _(q, k, positions, rope_theta=10000.0):
     _check_rotary_args("rotary_2d_", q, k, positions, rope_theta, read_values=False)
+
+
+refuse_autograd("rotary_2d_", "torch.ops.qvl.rotary_2d (or vision_attn(..., positions=...), which rotates inside)")

@@ -4,9 +4,10 @@ qvl kernels.
 The patch replaces only the ``forward`` of the model's vision module instance with one that runs
 :func:`qvl.vit.model.tower_forward` over the module's *own* parameters. Nothing is copied or renamed,
 so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype casts keep working, and
-the weights stay where transformers put them. Calls that qvl's fused tower cannot serve (attention outputs,
-gradients, a tower offloaded submodule by submodule) run the forward the patch replaced, transformers' own,
-with an :class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward back.
+the weights stay where transformers put them. Training runs on qvl too (every op has a backward; adapters in the
+linears' places and gradient checkpointing are honoured). Calls that qvl's fused tower cannot serve (attention
+outputs, a tower offloaded submodule by submodule) run the forward the patch replaced, transformers' own, with an
+:class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward back.
 """
 
 from __future__ import annotations
@@ -80,9 +81,16 @@ def _vision_module(model: nn.Module, caller: str) -> nn.Module:
     )
 
 
-def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor, grid_thw, hidden_states_out=None):
+def _encode(
+    visual: nn.Module,
+    config: VisionConfig,
+    hidden_states: torch.Tensor,
+    grid_thw,
+    hidden_states_out=None,
+    checkpoint_blocks: bool = False,
+):
     """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters;
-    ``hidden_states_out``: see :func:`tower_forward`."""
+    ``hidden_states_out`` and ``checkpoint_blocks``: see :func:`tower_forward`."""
     weight = visual.pos_embed.weight
     meta = build_metadata(
         grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
@@ -102,7 +110,14 @@ def _encode(visual: nn.Module, config: VisionConfig, hidden_states: torch.Tensor
         deepstack_visual_indexes=config.deepstack_visual_indexes,
         spatial_merge_size=config.spatial_merge_size,
         hidden_states_out=hidden_states_out,
+        checkpoint_blocks=checkpoint_blocks,
     )
+
+
+def _checkpointing(visual: nn.Module) -> bool:
+    """Whether transformers would checkpoint the tower's blocks: ``gradient_checkpointing_enable()`` marks each
+    block (a ``GradientCheckpointingLayer``), which checkpoints while the module trains."""
+    return visual.training and any(getattr(block, "gradient_checkpointing", False) for block in visual.blocks)
 
 
 def _select_hidden_states(states: list[torch.Tensor], request) -> tuple[torch.Tensor | None, ...]:
@@ -166,20 +181,11 @@ class _PatchedForward:
         visual = self.visual
         if kwargs.get("output_attentions", getattr(visual.config, "output_attentions", False)):
             return "per-layer attention outputs were requested (output_attentions); qvl's fused attention has none"
-        devices, any_requires_grad = set(), False
-        for param in visual.parameters():
-            devices.add(param.device)
-            any_requires_grad = any_requires_grad or param.requires_grad
+        devices = {param.device for param in visual.parameters()}
         if len(devices) > 1 or torch.device("meta") in devices:
             return (
                 "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
                 " until each submodule's hook loads them; or split over devices by a device map)"
-            )
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or any_requires_grad):
-            return (
-                "gradients are required and qvl's ops have no autograd yet, so training runs unfused until they do"
-                " (for inference use torch.no_grad() or torch.inference_mode(); a frozen tower,"
-                " requires_grad_(False), runs on qvl)"
             )
         if self.data_parallel is not None and output_hidden_states:
             return (
@@ -203,14 +209,17 @@ class _PatchedForward:
             return self.original_forward()(hidden_states, grid_thw, **kwargs)
 
         hidden = [] if output_hidden_states else None
+        checkpoint = _checkpointing(self.visual)
         if self.data_parallel is None:
-            last_hidden, merged, deepstack = self.encode(self.visual, self.config, hidden_states, grid_thw, hidden)
+            last_hidden, merged, deepstack = self.encode(
+                self.visual, self.config, hidden_states, grid_thw, hidden, checkpoint
+            )
         else:
             last_hidden = None
             merged, deepstack = self.data_parallel.run(
                 hidden_states,
                 grid_thw,
-                lambda pixels, grid: self.encode(self.visual, self.config, pixels, grid)[1:],
+                lambda pixels, grid: self.encode(self.visual, self.config, pixels, grid, None, checkpoint)[1:],
                 self.visual.patch_embed.proj.weight.device,
             )
         fields = {"last_hidden_state": last_hidden, "pooler_output": merged}
@@ -263,10 +272,6 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     warns once per reason with an :class:`UnfusedFallbackWarning`:
 
     * per-layer attention outputs (``output_attentions``, argument or config): the fused attention has none.
-    * gradients (``torch.is_grad_enabled()`` and the input or a tower parameter requires grad): qvl's ops have
-      no autograd yet, so a training step gets transformers' gradients instead of failing inside backward.
-      Run inference under ``torch.no_grad()`` / ``torch.inference_mode()``; a frozen tower
-      (``visual.requires_grad_(False)``) runs on qvl while the rest of the model trains.
     * weights not all on one device when the call reaches the patch: offloaded by accelerate (CPU or disk
       offload of the tower's submodules keeps them on the meta device until each submodule's hook loads them,
       in transformers' forward, one submodule at a time), or split over devices by a device map. Loading the

@@ -3,8 +3,13 @@ row-parallel linear whose one reduction tensor parallelism needs.
 
 Plain functions over weight tensors, so ``torch.compile`` sees through them to the ops and matmuls, and
 the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). Where a weight cannot
-be read as a tensor (vLLM's CPU linears keep it packed for oneDNN, quantized linears keep it encoded), a
-:data:`Product` callable stands in for it: ``x -> x @ weight.T``, bias-less. Weight sharding
+be read as a tensor (vLLM's CPU linears keep it packed for oneDNN, quantized linears keep it encoded), or where
+another module sits in a linear's place (a PEFT LoRA adapter, a hooked linear: :func:`linear_parts`), a
+:data:`Product` callable stands in for it: ``x -> x @ weight.T``, bias-less, or the module's whole output with
+the bias passed beside it None.
+
+The functions run forward and backward: where a tensor they would update in place requires grad (under grad
+mode), they take the ops' out-of-place forms, which have a backward. Weight sharding
 enters only through the ``all_reduce`` argument: fc1 column-parallel (each rank passes its rows of the
 weight and bias), fc2 row-parallel (its columns), and the partial fc2 product summed over the ranks
 before the bias is added once.
@@ -16,33 +21,170 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.common import check_tensor
 
-__all__ = ["AllReduce", "Product", "patch_merger", "row_parallel_linear", "swiglu_mlp", "vision_mlp"]
+__all__ = [
+    "AllReduce",
+    "Product",
+    "column_parallel_input",
+    "embed_patches",
+    "linear_parts",
+    "needs_grad",
+    "runs_itself",
+    "patch_merger",
+    "row_parallel_linear",
+    "run_blocks",
+    "swiglu_mlp",
+    "vision_mlp",
+]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-# x -> x @ weight.T without bias, for a linear layer whose weight is not a plain tensor.
+# x -> x @ weight.T without bias, for a linear layer whose weight is not a plain tensor; or a module's whole
+# output (bias included), with the bias beside it None.
 Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on these tensors: grad mode on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def runs_itself(module: nn.Module) -> bool:
+    """Whether ``module`` must be called rather than read: it is not a plain ``nn.Linear`` / ``nn.Conv3d`` (a
+    PEFT LoRA layer, a subclass with its own forward) or it has forward hooks (which only a call runs)."""
+    plain = type(module).forward in (nn.Linear.forward, nn.Conv3d.forward)
+    return not plain or bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def linear_parts(module: nn.Module) -> tuple[torch.Tensor | Product, torch.Tensor | None]:
+    """What the layer functions take for the linear layer in ``module``'s place: a plain ``nn.Linear``'s
+    ``(weight, bias)``; any other module (a PEFT LoRA adapter wrapping the linear, a hooked or quantized one) as
+    ``(module, None)``, so that whatever sits there runs, bias included, instead of being read past."""
+    if runs_itself(module):
+        return module, None
+    return module.weight, module.bias
+
+
+def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """A tower's patch embedding: ``proj`` a bias-optional ``nn.Conv3d`` whose kernel equals its stride, on
+    ``pixel_values`` ``(T, C * t * p * p)``: one matmul (the conv of one patch is a dot product), or a call of
+    ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype."""
+    weight = proj.weight
+    pixel_values = pixel_values.to(weight.dtype)
+    if runs_itself(proj):
+        return proj(pixel_values.view(-1, *weight.shape[1:])).view(-1, weight.shape[0])
+    return F.linear(pixel_values, weight.view(weight.shape[0], -1), proj.bias)
+
+
+Step = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def run_blocks(
+    depth: int,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    step: Step,
+    after: Callable[[int, torch.Tensor], None] | None = None,
+    checkpoint_blocks: bool = False,
+    hidden_states_out: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A tower's blocks: ``x, h = step(index, x, h)`` for each block (``x`` the residual stream, ``h`` its
+    normed copy for the next block, None after the last), then ``after(index, x)``; returns the last ``x``.
+
+    ``checkpoint_blocks`` runs each step under non-reentrant activation checkpointing (its activations
+    recomputed in backward). ``hidden_states_out`` receives the first block's input and each block's output,
+    as transformers' ``output_hidden_states`` records them; each is a new tensor, never overwritten later.
+    """
+    if hidden_states_out is not None:
+        hidden_states_out.append(x)
+    for index in range(depth):
+        if checkpoint_blocks:
+            x, h = torch.utils.checkpoint.checkpoint(step, index, x, h, use_reentrant=False)
+        else:
+            x, h = step(index, x, h)
+        if hidden_states_out is not None:
+            hidden_states_out.append(x)
+        if after is not None:
+            after(index, x)
+    return x
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | Product) -> torch.Tensor:
     return torch.mm(x, weight.t()) if isinstance(weight, torch.Tensor) else weight(x)
 
 
+def _bias_or_zeros(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+    """``bias``, or zeros where a :data:`Product` added the bias itself."""
+    return h.new_zeros(h.shape[-1]) if bias is None else bias
+
+
+def _bias_gelu(h: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    """``gelu(h + bias)`` (no bias: zeros), in place unless autograd records it."""
+    bias = _bias_or_zeros(bias, h)
+    if needs_grad(h, bias):
+        return torch.ops.qvl.bias_gelu(h, bias, approximate)
+    torch.ops.qvl.bias_gelu_(h, bias, approximate)
+    return h
+
+
+class _ReduceRowParallel(torch.autograd.Function):
+    """The row-parallel reduction: forward sums the ranks' partial products; backward passes the (replicated)
+    gradient to each rank's partial unchanged, since every rank's partial enters the sum once."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+        return all_reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _EnterColumnParallel(torch.autograd.Function):
+    """The conjugate at a column-parallel linear's (replicated) input: forward passes it on; backward sums the
+    ranks' gradients, each of which covers only the rank's output features."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+        ctx.all_reduce = all_reduce
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.all_reduce(grad.contiguous()), None
+
+
+def column_parallel_input(h: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
+    """``h`` as the input of column-parallel linears (qkv, fc1, gate/up): unchanged, except that where autograd
+    records it under tensor parallelism its gradient is summed over the ranks in backward."""
+    if all_reduce is None or not needs_grad(h):
+        return h
+    return _EnterColumnParallel.apply(h, all_reduce)
+
+
 def row_parallel_linear(
-    h: torch.Tensor, weight: torch.Tensor | Product, bias: torch.Tensor, all_reduce: AllReduce | None
+    h: torch.Tensor, weight: torch.Tensor | Product, bias: torch.Tensor | None, all_reduce: AllReduce | None
 ) -> torch.Tensor:
-    """``F.linear(h, weight, bias)`` (``weight`` a tensor or a :data:`Product`); with ``all_reduce``,
-    ``weight`` holds this rank's input-feature columns, and the partial products are summed over ranks
-    before the bias is added once."""
+    """``F.linear(h, weight, bias)`` (``weight`` a tensor or a :data:`Product`; bias None when the product
+    includes it); with ``all_reduce``, ``weight`` holds this rank's input-feature columns, and the partial
+    products are summed over ranks before the bias is added once (in backward each rank's partial gets the
+    whole gradient: :func:`column_parallel_input` is the other half of that pair)."""
     if all_reduce is None and isinstance(weight, torch.Tensor):
         return F.linear(h, weight, bias)
     # Each rank holds a slice of the input features, so its product is a partial sum: reduce first,
     # then add the bias once.
     partial = _product(h, weight)
-    return (partial if all_reduce is None else all_reduce(partial)) + bias
+    if all_reduce is None:
+        reduced = partial
+    elif needs_grad(partial):
+        reduced = _ReduceRowParallel.apply(partial, all_reduce)
+    else:
+        reduced = all_reduce(partial)
+    return reduced if bias is None else reduced + bias
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -57,9 +199,9 @@ def patch_merger(
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor | None,
     fc1_weight: torch.Tensor | Product,
-    fc1_bias: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
     fc2_weight: torch.Tensor | Product,
-    fc2_bias: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
     spatial_merge_size: int = 2,
     postshuffle_norm: bool = False,
     eps: float = 1e-6,
@@ -93,18 +235,17 @@ def patch_merger(
         )
     merged_width = x.shape[1] * group
     h = _norm(x.view(-1, merged_width) if postshuffle_norm else x, norm_weight, norm_bias, eps)
-    h = h.view(-1, merged_width)
-    h = _product(h, fc1_weight)
-    torch.ops.qvl.bias_gelu_(h, fc1_bias, "none")
+    h = column_parallel_input(h.view(-1, merged_width), all_reduce)
+    h = _bias_gelu(_product(h, fc1_weight), fc1_bias, "none")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 
 
 def vision_mlp(
     x: torch.Tensor,
     fc1_weight: torch.Tensor | Product,
-    fc1_bias: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
     fc2_weight: torch.Tensor | Product,
-    fc2_bias: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
     all_reduce: AllReduce | None = None,
     approximate: str = "tanh",
 ) -> torch.Tensor:
@@ -123,19 +264,19 @@ def vision_mlp(
     :func:`bias_gelu_` with ``approximate``.
     """
     check_tensor("vision_mlp", "x", x, ndim=2)
-    h = _product(x, fc1_weight)
-    torch.ops.qvl.bias_gelu_(h, fc1_bias, approximate)
+    x = column_parallel_input(x, all_reduce)
+    h = _bias_gelu(_product(x, fc1_weight), fc1_bias, approximate)
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 
 
 def swiglu_mlp(
     x: torch.Tensor,
     gate_weight: torch.Tensor | Product,
-    gate_bias: torch.Tensor,
+    gate_bias: torch.Tensor | None,
     up_weight: torch.Tensor | Product,
-    up_bias: torch.Tensor,
+    up_bias: torch.Tensor | None,
     down_weight: torch.Tensor | Product,
-    down_bias: torch.Tensor,
+    down_bias: torch.Tensor | None,
     all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
     """transformers' ``Qwen2_5_VLMLP`` forward on qvl ops: ``down(silu(gate(x)) * up(x))``, every projection
@@ -151,5 +292,10 @@ def swiglu_mlp(
     in one :func:`bias_swiglu`.
     """
     check_tensor("swiglu_mlp", "x", x, ndim=2)
-    h = torch.ops.qvl.bias_swiglu(_product(x, gate_weight), _product(x, up_weight), gate_bias, up_bias)
+    x = column_parallel_input(x, all_reduce)
+    gate, up = _product(x, gate_weight), _product(x, up_weight)
+    zeros = gate.new_zeros(gate.shape[-1]) if gate_bias is None or up_bias is None else None
+    h = torch.ops.qvl.bias_swiglu(
+        gate, up, zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias
+    )
     return row_parallel_linear(h, down_weight, down_bias, all_reduce)

@@ -21,13 +21,23 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 
 from .config import VisionConfig
-from .layers import AllReduce, Product, patch_merger, row_parallel_linear, vision_mlp
+from .layers import (
+    AllReduce,
+    Product,
+    column_parallel_input,
+    embed_patches,
+    linear_parts,
+    needs_grad,
+    patch_merger,
+    row_parallel_linear,
+    run_blocks,
+    vision_mlp,
+)
 from .metadata import VisionMetadata, build_metadata
 from .parallel import LocalWidths, make_parallel
 
@@ -95,6 +105,7 @@ def tower_forward(
     all_reduce: AllReduce | None = None,
     hidden_states_out: list[torch.Tensor] | None = None,
     linear: LinearParts | None = None,
+    checkpoint_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The device part of the tower's forward over a module tree with transformers' names.
 
@@ -109,55 +120,65 @@ def tower_forward(
             records it: the embedded patches (the first block's input), then each block's output, ``depth + 1``
             tensors ``(T, C)``, the last one ``last_hidden_state`` itself. None (the default) records nothing.
         linear: maps each linear module (qkv, proj, fc1, fc2) to its ``(weight, bias)`` as the layer functions
-            take them (:mod:`qvl.vit.layers`); the weight may be a bias-less :data:`~qvl.vit.layers.Product`.
-            None (the default) reads ``module.weight`` and ``module.bias``.
+            take them (:mod:`qvl.vit.layers`); the weight may be a :data:`~qvl.vit.layers.Product`. None (the
+            default) is :func:`~qvl.vit.layers.linear_parts`: a plain ``nn.Linear``'s weight and bias, any other
+            module in its place (a PEFT LoRA adapter) called.
+        checkpoint_blocks: run each block under activation checkpointing (recomputed in backward), as
+            transformers' ``gradient_checkpointing_enable()`` does.
+
+    Forward and backward: every op has a backward, and the in-place ones give way to out-of-place forms where
+    autograd records them.
 
     Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden), deepstack list)``.
     """
-    proj = tower.patch_embed.proj
-    weight = proj.weight
-    x = F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), proj.bias)
-    torch.ops.qvl.pos_embed_interp_add_(x, tower.pos_embed.weight, interp_indices, interp_weights)
+    x = embed_patches(tower.patch_embed.proj, pixel_values)
+    pos_embed = tower.pos_embed.weight
+    if needs_grad(x, pos_embed):
+        x = x + torch.ops.qvl.pos_embed_interp(pos_embed, interp_indices, interp_weights).to(x.dtype)
+    else:
+        torch.ops.qvl.pos_embed_interp_add_(x, pos_embed, interp_indices, interp_weights)
 
     num_tokens = x.shape[0]
-    # Each x below is a new tensor (add_layer_norm and the last block's add are out of place), so a recorded
-    # state is never overwritten by a later block.
-    if hidden_states_out is not None:
-        hidden_states_out.append(x)
     blocks = tower.blocks
     first = blocks[0].norm1
     h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
-    deepstack = []
-    linear = linear or _weight_and_bias
-    # int(): under torch.compile(dynamic=True) ints read from a plain object (a config) may arrive symbolic,
-    # and Dynamo then took ``index in (symbolic ints)`` for False and dropped the deepstack features; int()
-    # makes it specialize them (one guard) instead.
-    deepstack_mergers = {int(layer): n for n, layer in enumerate(deepstack_visual_indexes)}
-    for index, block in enumerate(blocks):
+    linear = linear or linear_parts
+    # A recorded hidden state whose gradient autograd may be asked for (retain_grad) must be what the next block
+    # reads: the fused residual add + norm would hand that block a normed copy computed beside it instead.
+    separate_states = hidden_states_out is not None and torch.is_grad_enabled()
+
+    def block_step(index: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        block = blocks[index]
         attn = block.attn
-        qkv = row_parallel_linear(h, *linear(attn.qkv), None)
+        qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(attn.qkv), None)
         q, k, v = qkv.view(num_tokens, 3, num_heads, qkv.shape[1] // (3 * num_heads)).unbind(1)
         a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
         a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
         x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
         mlp = block.mlp
         m = vision_mlp(h, *linear(mlp.linear_fc1), *linear(mlp.linear_fc2), all_reduce)
-        if index + 1 < len(blocks):
-            norm = blocks[index + 1].norm1
-            x, h = torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
-        else:
+        if index + 1 == len(blocks):
+            return x + m, None
+        norm = blocks[index + 1].norm1
+        if separate_states:
             x = x + m
-        if hidden_states_out is not None:
-            hidden_states_out.append(x)
+            return x, torch.ops.qvl.layer_norm(x, norm.weight, norm.bias, norm.eps)
+        return torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
+
+    deepstack = []
+    # int(): under torch.compile(dynamic=True) ints read from a plain object (a config) may arrive symbolic,
+    # and Dynamo then took ``index in (symbolic ints)`` for False and dropped the deepstack features; int()
+    # makes it specialize them (one guard) instead.
+    deepstack_mergers = {int(layer): n for n, layer in enumerate(deepstack_visual_indexes)}
+
+    def after_block(index: int, x: torch.Tensor) -> None:
         if index in deepstack_mergers:
             merger = tower.deepstack_merger_list[deepstack_mergers[index]]
             deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce, linear))
+
+    x = run_blocks(len(blocks), x, h, block_step, after_block, checkpoint_blocks, hidden_states_out)
     merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce, linear)
     return x, merged, deepstack
-
-
-def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    return module.weight, module.bias
 
 
 # Qwen3-Omni's vision encoder names its mergers' parts (merger_list.{i} | merger).(ln_q | mlp.0 | mlp.2).
@@ -178,7 +199,9 @@ def call_compiled(compiled, *args: torch.Tensor):
         args = (args[0].clone(),) + args[1:]
     for tensor in args:
         torch._dynamo.mark_dynamic(tensor, 0)
-    with _size_oblivious_tracing():
+    # Float attributes (norm eps, rope theta) stay constants: as symbolic floats they make a training graph's
+    # scalar pass restart the whole trace.
+    with _size_oblivious_tracing(), torch._dynamo.config.patch(specialize_float=True):
         return compiled(*args)
 
 

@@ -41,7 +41,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .balance import SegmentCost, balance
 from .config import TowerConfig
-from .layers import AllReduce
+from .layers import AllReduce, needs_grad
 from .metadata import check_grid, grid_as_numpy, to_device
 
 __all__ = [
@@ -291,9 +291,30 @@ class WeightsParallel(_Distributed):
         return encode(pixel_values, self.agree_on_batch(pixel_values, grid_thw, device))
 
 
+class _GatherShares(torch.autograd.Function):
+    """The data mode's all-gather of every rank's (padded) features. Every rank holds the whole gathered batch and
+    computes the same loss from it, so the gradient each rank receives for the gathered features is already the
+    whole gradient: backward keeps this rank's rows (no sum, which would count each rank's loss world-size
+    times)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, strategy: DataParallel) -> torch.Tensor:
+        ctx.rows, ctx.rank = local.shape[0], strategy.rank
+        return _all_gather(local, 0, strategy.group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        first = ctx.rank * ctx.rows
+        return grad[first : first + ctx.rows], None
+
+
 class DataParallel(_Distributed):
     """Data parallelism: replicated weights, the batch split by :func:`~qvl.vit.balance.balance`, one
-    all-gather."""
+    all-gather.
+
+    Training: each rank's backward reaches the inputs and parameters through its own share of the batch only, so
+    a rank's parameter gradients are its share's part; their sum over the ranks (``all_reduce`` with SUM, not
+    DDP's average) is the single-process gradient."""
 
     mode = "data"
 
@@ -322,9 +343,14 @@ class DataParallel(_Distributed):
             return merged, deepstack  # an empty batch on every rank
         # Main and deepstack features travel together, each rank's rows padded to the longest share (the
         # padding is never read back).
-        local = merged.new_empty(stride, merged.shape[1] * (1 + len(deepstack)))
-        torch.cat([merged, *deepstack], dim=1, out=local[: merged.shape[0]])
-        gathered = _all_gather(local, 0, self.group)
+        if needs_grad(merged, *deepstack):
+            local = torch.cat([merged, *deepstack], dim=1)
+            local = torch.nn.functional.pad(local, (0, 0, 0, stride - local.shape[0]))
+            gathered = _GatherShares.apply(local, self)
+        else:
+            local = merged.new_empty(stride, merged.shape[1] * (1 + len(deepstack)))
+            torch.cat([merged, *deepstack], dim=1, out=local[: merged.shape[0]])
+            gathered = _all_gather(local, 0, self.group)
         order = to_device(torch.from_numpy(plan.gather_index(merge, stride)), gathered.device)
         merged, *deepstack = gathered.index_select(0, order).split(merged.shape[1], dim=1)
         return merged.contiguous(), [features.contiguous() for features in deepstack]

@@ -28,13 +28,22 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 
-from .layers import AllReduce, patch_merger, row_parallel_linear, swiglu_mlp, vision_mlp
+from .layers import (
+    AllReduce,
+    column_parallel_input,
+    embed_patches,
+    linear_parts,
+    patch_merger,
+    row_parallel_linear,
+    run_blocks,
+    swiglu_mlp,
+    vision_mlp,
+)
 from .metadata import WindowMetadata, build_metadata, build_window_metadata, grid_as_numpy, to_device
 from .model import TowerBase
 from .parallel import LocalWidths
@@ -300,10 +309,9 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> tuple[to
 
 def _mlp(mlp: nn.Module, h: torch.Tensor, config: Qwen2VisionConfig, all_reduce: AllReduce | None) -> torch.Tensor:
     if config.windowed:
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        return swiglu_mlp(h, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias, all_reduce)
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    return vision_mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, all_reduce, config.gelu_approximate)
+        parts = (linear_parts(mlp.gate_proj), linear_parts(mlp.up_proj), linear_parts(mlp.down_proj))
+        return swiglu_mlp(h, *(tensor for part in parts for tensor in part), all_reduce)
+    return vision_mlp(h, *linear_parts(mlp.fc1), *linear_parts(mlp.fc2), all_reduce, config.gelu_approximate)
 
 
 def _merge(merger: nn.Module, x: torch.Tensor, merge: int, all_reduce: AllReduce | None) -> torch.Tensor:
@@ -314,10 +322,8 @@ def _merge(merger: nn.Module, x: torch.Tensor, merge: int, all_reduce: AllReduce
         x,
         norm.weight,
         norm.bias if layer_norm else None,
-        fc1.weight,
-        fc1.bias,
-        fc2.weight,
-        fc2.bias,
+        *linear_parts(fc1),
+        *linear_parts(fc2),
         spatial_merge_size=merge,
         eps=norm.eps if layer_norm else norm.variance_epsilon,
         all_reduce=all_reduce,
@@ -337,6 +343,7 @@ def qwen2_tower_forward(
     num_heads: int | None = None,
     all_reduce: AllReduce | None = None,
     hidden_states_out: list[torch.Tensor] | None = None,
+    checkpoint_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The device part of a Qwen2-VL / Qwen2.5-VL vision tower over a module tree with transformers' names.
 
@@ -351,45 +358,52 @@ def qwen2_tower_forward(
             tensor parallelism, where ``all_reduce`` sums the row-parallel partial products over the ranks.
         hidden_states_out: a list that receives the residual stream as transformers records it: the first
             block's input (in window order for Qwen2.5-VL), then each block's output.
+        checkpoint_blocks: run each block under activation checkpointing, as transformers'
+            ``gradient_checkpointing_enable()`` does.
+
+    Forward and backward, as :func:`~qvl.vit.model.tower_forward`: linear modules through
+    :func:`~qvl.vit.layers.linear_parts` (a PEFT adapter in a linear's place runs).
 
     Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden))``: ``last_hidden_state`` in the blocks'
     order (window order for Qwen2.5-VL, as transformers returns it), ``merged`` in the input's order.
     """
-    proj = tower.patch_embed.proj
-    weight = proj.weight
     merge = config.spatial_merge_size
-    x = F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), proj.bias)
+    x = embed_patches(tower.patch_embed.proj, pixel_values)
     if config.windowed:  # whole merge units into window order
         width = x.shape[1]
         x = x.view(-1, merge * merge, width).index_select(0, window_index).view(-1, width)
-    if hidden_states_out is not None:
-        hidden_states_out.append(x)
 
     num_tokens = x.shape[0]
     num_heads = config.num_heads if num_heads is None else num_heads
     blocks = tower.blocks
     full_blocks = {int(index) for index in config.fullatt_block_indexes}
-    h = _norm(blocks[0].norm1, x)
-    for index, block in enumerate(blocks):
+    # As in tower_forward: recorded hidden states that may be asked for their gradients feed the next block.
+    separate_states = hidden_states_out is not None and torch.is_grad_enabled()
+
+    def block_step(index: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if config.windowed and index not in full_blocks:
             segments, max_seqlen = cu_window_seqlens, config.window_tokens
         else:
             segments, max_seqlen = cu_seqlens, None
+        block = blocks[index]
         attn = block.attn
-        qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+        qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear_parts(attn.qkv), None)
         q, k, v = qkv.view(num_tokens, 3, num_heads, config.head_dim).unbind(1)
         a = torch.ops.qvl.vision_attn(
             q, k, v, segments, max_seqlen=max_seqlen, positions=positions, rope_theta=config.rope_theta
         )
-        a = row_parallel_linear(a.flatten(1), attn.proj.weight, attn.proj.bias, all_reduce)
+        a = row_parallel_linear(a.flatten(1), *linear_parts(attn.proj), all_reduce)
         x, h = _add_norm(block.norm2, x, a)
         m = _mlp(block.mlp, h, config, all_reduce)
-        if index + 1 < len(blocks):
-            x, h = _add_norm(blocks[index + 1].norm1, x, m)
-        else:
+        if index + 1 == len(blocks):
+            return x + m, None
+        if separate_states:
             x = x + m
-        if hidden_states_out is not None:
-            hidden_states_out.append(x)
+            return x, _norm(blocks[index + 1].norm1, x)
+        return _add_norm(blocks[index + 1].norm1, x, m)
+
+    h = _norm(blocks[0].norm1, x)
+    x = run_blocks(len(blocks), x, h, block_step, None, checkpoint_blocks, hidden_states_out)
     merged = _merge(tower.merger, x, merge, all_reduce)
     if config.windowed:
         merged = merged.index_select(0, reverse_index)
@@ -402,6 +416,7 @@ def encode_qwen2(
     hidden_states: torch.Tensor,
     grid_thw,
     hidden_states_out: list[torch.Tensor] | None = None,
+    checkpoint_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]:
     """``(last_hidden_state, merged, [])`` of a batch through a transformers vision module's own parameters
     (:mod:`qvl.vit.hf_patch`'s entry: the same shape of result as Qwen3-VL's, without deepstack features)."""
@@ -410,7 +425,12 @@ def encode_qwen2(
         grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw, config, device=weight.device
     )
     last, merged = qwen2_tower_forward(
-        visual, hidden_states.to(weight.device), *_tensors(meta), config=config, hidden_states_out=hidden_states_out
+        visual,
+        hidden_states.to(weight.device),
+        *_tensors(meta),
+        config=config,
+        hidden_states_out=hidden_states_out,
+        checkpoint_blocks=checkpoint_blocks,
     )
     return last, merged, []
 

@@ -9,12 +9,17 @@ binder (:func:`qvl.kernels.common.compile_launch`), so what compiles here is wha
 
 Run as a script with TRITON_INTERPRET=0 (the interpreter's kernel objects cannot be compiled). Prints one
 JSON line ``{"variants": [names]}`` first, then one per compiled launch: ``{"name", "kernel", "shared",
-"shared_limit", "num_warps", "num_stages"}`` (``shared_limit``: the most a block may use on the target).
+"shared_limit", "num_warps", "num_stages", "registers", "stack"}`` (``shared_limit``: the most a block may
+use on the target; ``registers`` and ``stack`` bytes per thread as cuobjdump reads them from the cubin, None
+where Triton's wheel has no cuobjdump).
 """
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") == "0", "compile with the interpreter off"
@@ -22,8 +27,10 @@ assert os.environ.get("TRITON_INTERPRET", "0") == "0", "compile with the interpr
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from bench.sass_attention import stand_in_launches  # noqa: E402
+from qvl.kernels.attention import vision_attn_backward_launches, vision_attn_launches  # noqa: E402
 from qvl.kernels.common import ADA, HOPPER, compile_launch, shared_memory_per_block  # noqa: E402
 from qvl.kernels.gelu import bias_gelu_launches  # noqa: E402
 from qvl.kernels.layer_norm import layer_norm_launches  # noqa: E402
@@ -80,6 +87,46 @@ def bias_swiglu_stacked(num_cols):
     return bias_swiglu_launches(gate_up[:, :num_cols], gate_up[:, num_cols:], gate_bias, up_bias, y, HOPPER)
 
 
+def attention_tensors(head_dim, dtype, max_seqlen):
+    """The tower's call: q, k, v views of a packed qkv, a contiguous output, its log-sum-exp, segments as
+    the forward's stand-ins have them (windows of ``max_seqlen`` tokens given as the hint)."""
+    q, k, v = torch.empty(TOKENS, 3, HEADS, head_dim, dtype=dtype).unbind(1)
+    out = torch.empty(TOKENS, HEADS, head_dim, dtype=dtype)
+    bounds = [0, TOKENS // 4, TOKENS] if max_seqlen is None else [*range(0, TOKENS, max_seqlen), TOKENS]
+    return q, k, v, out, torch.empty(HEADS, TOKENS), torch.tensor(bounds, dtype=torch.int32)
+
+
+def attention_with_lse(head_dim, max_seqlen=None):
+    """vision_attn_with_lse's launch: the forward kernel also writing the log-sum-exp."""
+    q, k, v, out, lse, cu_seqlens = attention_tensors(head_dim, BF16, max_seqlen)
+    return vision_attn_launches(q, k, v, out, cu_seqlens, None, None, 10000.0, HOPPER, max_seqlen, lse)
+
+
+def attention_backward(head_dim, rope=False, dtype=BF16, max_seqlen=None, target=HOPPER):
+    """vision_attn_backward's launches: delta, dK/dV, dQ, with rope the rotary kernel forward and inverse."""
+    q, k, v, out, lse, cu_seqlens = attention_tensors(head_dim, dtype, max_seqlen)
+    grad_out, dq, dk, dv = (torch.empty(out.shape, dtype=dtype) for _ in range(4))
+    positions = torch.zeros(TOKENS, 2, dtype=torch.int32) if rope else None
+    return vision_attn_backward_launches(
+        grad_out, q, k, v, out, lse, dq, dk, dv, cu_seqlens, None, positions, 10000.0, target, max_seqlen
+    )
+
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def registers_and_stack(compiled) -> tuple[int | None, int | None]:
+    """Registers and stack bytes per thread of a compiled kernel, from its cubin (None, None without
+    cuobjdump). Stack is where spilled registers go."""
+    if not CUOBJDUMP.exists():
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
+    return int(re.search(r"REG:(\d+)", usage.stdout).group(1)), int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
+
+
 VARIANTS = {
     "vision_attn bf16 D=64": lambda: stand_in_launches(64, False),
     "vision_attn bf16 D=72": lambda: stand_in_launches(72, False),
@@ -93,6 +140,16 @@ VARIANTS = {
     "vision_attn bf16 D=80 windows": lambda: stand_in_launches(80, False, max_seqlen=64),
     "vision_attn bf16 D=80 windows rope": lambda: stand_in_launches(80, True, max_seqlen=64),
     "vision_attn bf16 D=128 windows unaligned": lambda: stand_in_launches(128, False, "offset", max_seqlen=64),
+    # Training: the forward that also writes the log-sum-exp (with rope as the rope forward), the backward.
+    "vision_attn_with_lse bf16 D=72": lambda: attention_with_lse(72),
+    "vision_attn_with_lse bf16 D=80 windows": lambda: attention_with_lse(80, max_seqlen=64),
+    "vision_attn_backward bf16 D=64": lambda: attention_backward(64),
+    "vision_attn_backward bf16 D=72": lambda: attention_backward(72),
+    "vision_attn_backward bf16 D=72 rope": lambda: attention_backward(72, rope=True),
+    "vision_attn_backward bf16 D=80 windows": lambda: attention_backward(80, max_seqlen=64),
+    "vision_attn_backward bf16 D=128": lambda: attention_backward(128),
+    "vision_attn_backward bf16 D=256": lambda: attention_backward(256),
+    "vision_attn_backward fp32 D=256 sm_89": lambda: attention_backward(256, dtype=torch.float32, target=ADA),
     "rotary_2d_ bf16 D=72": rotary_in_place,
     "pos_embed_interp_add_ bf16": pos_embed_add,
     "layer_norm bf16 C=1152": lambda: norm(HIDDEN, False),
@@ -114,6 +171,7 @@ def main():
         target = ADA if name.endswith("sm_89") else HOPPER
         for launch in launches:
             compiled = compile_launch(launch, target)
+            registers, stack = registers_and_stack(compiled)
             line = {
                 "name": name,
                 "kernel": compiled.metadata.name,
@@ -121,6 +179,8 @@ def main():
                 "shared_limit": shared_memory_per_block(target),
                 "num_warps": compiled.metadata.num_warps,
                 "num_stages": compiled.metadata.num_stages,
+                "registers": registers,
+                "stack": stack,
             }
             print(json.dumps(line), flush=True)
 

@@ -38,12 +38,37 @@ def run_compiler(*command: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-@needs_ptxas
-def test_kernels_compile_for_hopper_and_ada_within_shared_memory():
+@pytest.fixture(scope="module")
+def compiled_variants() -> tuple[dict, list[dict]]:
+    """compile_sm90.py's header and one line per compiled launch (run once for the tests below)."""
     header, *compiled = run_compiler(str(Path(__file__).with_name("compile_sm90.py")))
+    return header, compiled
+
+
+@needs_ptxas
+def test_kernels_compile_for_hopper_and_ada_within_shared_memory(compiled_variants):
+    header, compiled = compiled_variants
     assert {line["name"] for line in compiled} == set(header["variants"]), compiled
     too_big = [line for line in compiled if line["shared"] > line["shared_limit"]]
     assert not too_big, too_big
+
+
+@needs_cuobjdump
+def test_attention_training_kernels_do_not_spill_in_16_bit(compiled_variants):
+    """The forward that also writes the log-sum-exp and the backward's kernels (delta, dK/dV, dQ, the rotary
+    forward and inverse) keep everything in registers in 16-bit dtypes up to D 128, for long segments and
+    windows alike (fp32 and D 256 tiles spill, as the forward's do: see backward_launch_config)."""
+    _, compiled = compiled_variants
+    checked = [
+        line
+        for line in compiled
+        if line["name"].startswith(("vision_attn_with_lse bf16", "vision_attn_backward bf16"))
+        and not line["name"].endswith("D=256")
+    ]
+    kernels = {line["kernel"] for line in checked}
+    assert kernels >= {"_vision_attn_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_rotary_2d_kernel"}
+    spilled = [line for line in checked if line["stack"]]
+    assert not spilled, spilled
 
 
 @pytest.fixture(scope="module")

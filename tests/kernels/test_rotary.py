@@ -1,4 +1,5 @@
-"""torch.ops.qvl.rotary_2d / rotary_2d_ against transformers' Qwen3-VL vision rotary embedding."""
+"""torch.ops.qvl.rotary_2d / rotary_2d_ against transformers' Qwen3-VL vision rotary embedding; rotary_2d's
+backward against float64 autograd (its compiled backward: tests/kernels/test_attention_backward.py)."""
 
 import pytest
 import torch
@@ -108,6 +109,63 @@ def test_compile_fullgraph_without_recompiles():
     with torch.compiler.set_stance("fail_on_recompile"):
         check([[2, 8, 8], [1, 2, 2]])
         check([[1, 6, 10]])
+
+
+def rotary_gradients(rotate, q, k, positions, grad_q, grad_k):
+    """torch.autograd's gradients of ``rotate(q, k, positions)`` for the output gradients, on fresh leaves."""
+    leaves = [x.detach().requires_grad_() for x in (q, k)]
+    return torch.autograd.grad(rotate(*leaves, positions), leaves, (grad_q, grad_k))
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_backward_matches_float64(head_dim, dtype):
+    """The gradients flow back through the inverse rotation: against float64 autograd of the rotary, with
+    torch's own autograd of transformers' rotary in the same dtype as the yardstick."""
+    positions = grid_positions([[1, 6, 10], [2, 4, 4]])
+    q, k, grad_q, grad_k = torch.randn(4, positions.shape[0], 2, head_dim).to(dtype).unbind(0)
+    got = rotary_gradients(torch.ops.qvl.rotary_2d, q, k, positions, grad_q, grad_k)
+    truth = rotary_gradients(float64_rotary, q.double(), k.double(), positions, grad_q.double(), grad_k.double())
+    in_transformers = rotary_gradients(
+        lambda q, k, positions: transformers_rotary(q, k, positions, head_dim), q, k, positions, grad_q, grad_k
+    )
+    assert all(g.dtype == dtype and g.is_contiguous() for g in got)
+    assert_error_within(got, truth, in_transformers, what="dq, dk")
+
+
+def test_backward_op_inverts_the_rotation_on_both_paths():
+    positions = grid_positions([[1, 6, 10]])
+    q, k = torch.randn(2, positions.shape[0], 3, 72).unbind(0)
+    truth = (q.double(), k.double())
+    in_torch = rotary_2d_reference(*rotary_2d_reference(q, k, positions), positions, inverse=True)
+    for path in ("interpreter", "torch"):
+        with force_backend(path):
+            back = torch.ops.qvl.rotary_2d_backward(*torch.ops.qvl.rotary_2d(q, k, positions), positions)
+        assert_error_within(back, truth, in_torch, what=f"rotated and back, {path}")
+
+
+def test_opcheck_with_autograd():
+    positions = grid_positions([[1, 4, 6]])
+    q, k = (x.requires_grad_() for x in torch.randn(2, positions.shape[0], 2, 72).unbind(0))
+    torch.library.opcheck(torch.ops.qvl.rotary_2d.default, (q, k, positions, 500.0))
+    torch.library.opcheck(torch.ops.qvl.rotary_2d_backward.default, (q.detach(), k.detach(), positions))
+
+
+def test_in_place_refuses_autograd_before_mutating():
+    positions = grid_positions([[1, 4, 6]])
+    q, k = torch.randn(2, positions.shape[0], 2, 72).unbind(0)
+    leaf = q.clone().requires_grad_()
+    for q_in in (leaf, leaf * 1.0):
+        before = q_in.detach().clone()
+        with pytest.raises(RuntimeError, match=r"qvl::rotary_2d_ .* no backward .* torch\.ops\.qvl\.rotary_2d "):
+            torch.ops.qvl.rotary_2d_(q_in, k.clone(), positions)
+        assert torch.equal(q_in.detach(), before)
+    expected = torch.ops.qvl.rotary_2d(q, k, positions)
+    with torch.no_grad():  # no gradient needed: rotating a tensor that requires grad is fine
+        torch.ops.qvl.rotary_2d_(leaf, k_in_place := k.clone(), positions)
+    torch.ops.qvl.rotary_2d_(q_in_place := q.clone(), k.clone(), positions)  # grad mode on, nothing requires it
+    assert torch.equal(leaf.detach(), expected[0]) and torch.equal(k_in_place, expected[1])
+    assert torch.equal(q_in_place, expected[0])
 
 
 @pytest.mark.parametrize(

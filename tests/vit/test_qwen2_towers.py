@@ -16,7 +16,6 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
 from qvl.vit import is_patched, patch_model, unpatch_model
-from qvl.vit.hf_patch import UnfusedFallbackWarning
 from qvl.vit.qwen2_tower import Qwen2VisionConfig, build_qwen2_metadata
 from tolerance import assert_error_within
 from towers import IMAGE_TOKEN_ID, TEXT_KWARGS, TOKEN_IDS, VISION_START_TOKEN_ID, pixel_values_for, randomize
@@ -177,15 +176,3 @@ def test_full_model_logits_and_generate(name):
     model.config._attn_implementation = "sdpa"
     model = randomize(model, 4, std=0.1).eval()
     assert_patch_keeps_logits_and_tokens(model, image_inputs([[1, 6, 10], [1, 2, 2]], seed=5), *FAMILIES[name][3])
-
-
-def test_gradients_fall_back_to_transformers_with_a_warning():
-    """A training call (gradients required) runs transformers' own forward, as for Qwen3-VL's towers."""
-    hf, _ = vision_model("qwen2_vl", seed=3)
-    pixels, grid = pixel_values_for([[1, 2, 2]], channels=PATCH_DIM), torch.tensor([[1, 2, 2]])
-    expected = hf(pixels, grid_thw=grid).pooler_output
-    patch_model(hf)
-    with pytest.warns(UnfusedFallbackWarning, match="gradients"):
-        got = hf(pixels, grid_thw=grid).pooler_output
-    assert got.requires_grad
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)

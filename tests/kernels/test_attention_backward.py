@@ -1,0 +1,291 @@
+"""Autograd of torch.ops.qvl.vision_attn (with and without the fused rotary) against float64 autograd of the
+reference, through Triton's interpreter; the forward's log-sum-exp only when a gradient is needed; opcheck
+with its autograd checks; torch.compile of forward and backward without recompiles.
+
+Shapes stay at one to two heads and 100-200 tokens: the interpreter runs each backward program one at a time.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_attention import attention_in_dtype, cu_seqlens_of, float64_attention, max_abs_logit, packed_qkv
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import qvl.kernels.attention as attention
+from conftest import ON_GPU
+from qvl.kernels import force_backend, rotary_2d_reference, vision_attn_reference
+from qvl.kernels.attention import backward_launch_config, launch_config
+from qvl.kernels.common import device_target
+from tolerance import assert_error_within, online_softmax_ulps
+
+
+def gradients(fn, tensors, grad_out):
+    """torch.autograd's gradients of ``fn(*tensors)`` for the output gradient ``grad_out``, on fresh leaves."""
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    return torch.autograd.grad(fn(*leaves), leaves, grad_out)
+
+
+def kernel_gradients(q, k, v, cu_seqlens, grad_out, max_seqlen=None, softmax_scale=None, positions=None):
+    """dq, dk, dv of the op, taken through a packed qkv leaf as the tower's projection produces them (so
+    the gradients of the three views also meet in one tensor)."""
+
+    def attend(qkv):
+        return torch.ops.qvl.vision_attn(*qkv.unbind(1), cu_seqlens, max_seqlen, softmax_scale, positions)
+
+    (dqkv,) = gradients(attend, [torch.stack([q, k, v], dim=1)], grad_out)
+    return dqkv.unbind(1)
+
+
+def assert_gradients_close_to_float64(grads, q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None):
+    """The suite's rule (tolerance.py) for each of dq, dk, dv: the error against float64 autograd of the
+    float64 reference is at most twice that of torch's own autograd in the same dtype (rotary first, as in
+    the forward's tests), plus the forward's :func:`online_softmax_ulps`: the backward rebuilds every
+    probability from the forward's log-sum-exp, so it inherits that sum's roundings (one per key block) and
+    the base-2 exponent's argument (one per unit of the logits' range)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    truth = gradients(
+        lambda q, k, v: float64_attention(q, k, v, cu_seqlens, scale, positions),
+        [q.double(), k.double(), v.double()],
+        grad_out.double(),
+    )
+
+    def in_dtype(q, k, v):
+        if positions is not None:
+            q, k = rotary_2d_reference(q, k, positions)
+        return attention_in_dtype(q, k, v, cu_seqlens, scale)
+
+    baseline = gradients(in_dtype, [q, k, v], grad_out)
+    for grad in grads:
+        assert grad.shape == q.shape and grad.dtype == q.dtype and torch.isfinite(grad).all()
+    q_rot, k_rot = (q, k) if positions is None else rotary_2d_reference(q, k, positions)
+    block_n = launch_config(q.shape[-1], q.dtype, device_target(q.device))["BLOCK_N"]
+    ulps = online_softmax_ulps(cu_seqlens, block_n, max_abs_logit(q_rot, k_rot, cu_seqlens, scale))
+    assert_error_within(tuple(grads), truth, baseline, ulps=ulps, what="dq, dk, dv")
+
+
+def inputs(lengths, num_heads, head_dim, dtype, seed, with_positions):
+    q, k, v = packed_qkv(sum(lengths), num_heads, head_dim, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(q.shape, generator=gen).to(dtype)
+    positions = torch.randint(0, 40, (sum(lengths), 2), generator=gen, dtype=torch.int32) if with_positions else None
+    return q, k, v, cu_seqlens_of(lengths), grad_out, positions
+
+
+@pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gradients_match_float64(dtype, head_dim, with_positions):
+    lengths = [37, 0, 100, 1] if with_positions else [65, 0, 17, 48]
+    q, k, v, cu, grad_out, positions = inputs(lengths, 1, head_dim, dtype, head_dim, with_positions)
+    grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=4).filter(any),
+    num_heads=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([64, 72, 80]),
+    with_positions=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(lengths, num_heads, head_dim, with_positions, seed):
+    q, k, v, cu, grad_out, positions = inputs(lengths, num_heads, head_dim, torch.float16, seed, with_positions)
+    grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
+
+
+def test_window_tiles_and_softmax_scale():
+    """The short-segment tiles a ``max_seqlen`` hint of 64 selects, and a softmax scale of the caller's."""
+    for hint, resident_rows in ((None, 128), (64, 64)):
+        config = backward_launch_config(80, torch.float16, hint)
+        assert config["dkdv"]["BLOCK_N"] == config["dq"]["BLOCK_M"] == resident_rows
+    lengths = [64, 30, 0, 64]
+    q, k, v, cu, grad_out, positions = inputs(lengths, 1, 80, torch.float16, 5, True)
+    grads = kernel_gradients(q, k, v, cu, grad_out, max_seqlen=64, softmax_scale=0.2, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, softmax_scale=0.2, positions=positions)
+
+
+def test_torch_path():
+    lengths = [90, 0, 3, 120]
+    q, k, v, cu, grad_out, positions = inputs(lengths, 2, 72, torch.float32, 9, True)
+    with force_backend("torch"):
+        grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
+
+
+def test_forward_log_sum_exp():
+    """The saved log-sum-exp against float64, by torch's own (the torch path's ``logsumexp`` in fp32) with
+    the online softmax's ulps; the training forward's output is bit-identical to the inference one."""
+    lengths = [50, 0, 70]
+    q, k, v, cu, _, positions = inputs(lengths, 2, 72, torch.float32, 3, True)
+    q64, k64 = (x.transpose(0, 1) for x in rotary_2d_reference(q.double(), k.double(), positions))
+    logits = [q64[:, s:e] @ k64[:, s:e].transpose(1, 2) * 72**-0.5 for s, e in ((0, 50), (50, 120))]
+    truth = torch.cat([torch.logsumexp(x, -1) for x in logits], 1).flatten()
+    args = (q, k, v, cu, None, None, positions, 10000.0)
+    out, lse = torch.ops.qvl.vision_attn_with_lse(*args)
+    assert torch.equal(out, torch.ops.qvl.vision_attn(*args))
+    assert lse.shape == (2 * 120,) and lse.dtype == torch.float32 and lse.is_contiguous()
+    with force_backend("torch"):
+        _, in_torch = torch.ops.qvl.vision_attn_with_lse(*args)
+    block_n = launch_config(72, torch.float32, device_target(q.device))["BLOCK_N"]
+    q_rot, k_rot = rotary_2d_reference(q, k, positions)
+    ulps = online_softmax_ulps(cu, block_n, max_abs_logit(q_rot, k_rot, cu, 72**-0.5))
+    assert_error_within(lse, truth, in_torch, ulps=ulps, what="log-sum-exp")
+
+
+class ForwardOps(TorchDispatchMode):
+    """Records the qvl ops that run below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "qvl":
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_log_sum_exp_only_when_a_gradient_is_needed(monkeypatch):
+    """Inference (no_grad, inference_mode, or no input requiring grad) runs vision_attn itself, whose kernel
+    launch does not write the log-sum-exp; a forward that autograd records runs vision_attn_with_lse."""
+    store_lse = []
+    run_launches = attention.run_launches
+
+    def recording_run_launches(launches, device):
+        store_lse.extend(launch.kwargs.get("STORE_LSE") for launch in launches)
+        run_launches(launches, device)
+
+    monkeypatch.setattr(attention, "run_launches", recording_run_launches)
+    q, k, v, cu, _, positions = inputs([20, 13], 1, 64, torch.float32, 1, True)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def forward(*tensors):
+        with ForwardOps() as recorded:
+            out = torch.ops.qvl.vision_attn(*tensors, cu, positions=positions)
+        return out, recorded.ops
+
+    with torch.no_grad():
+        no_grad, ops = forward(*leaves)
+    assert ops == ["vision_attn.default"] and store_lse == [None, False]  # the rotary launch for k, then attention
+    with torch.inference_mode():  # no dispatch mode sees below autograd here: the launch tells
+        torch.ops.qvl.vision_attn(*leaves, cu, positions=positions)
+    assert store_lse[-1] is False
+    assert forward(q, k, v)[1] == ["vision_attn.default"]
+    training, ops = forward(*leaves)
+    assert ops == ["vision_attn_with_lse.default"] and store_lse[-1] is True and training.requires_grad
+    assert torch.equal(training.detach(), no_grad)
+
+
+def test_empty_batch_and_empty_segments():
+    for lengths in ([], [0, 0]):
+        q, k, v, cu, grad_out, _ = inputs(lengths, 2, 72, torch.float16, 0, False)
+        for grad in kernel_gradients(q, k, v, cu, grad_out):
+            assert grad.shape == (0, 2, 72)
+
+
+def test_expanded_output_gradient():
+    """``out.sum().backward()`` hands the backward an expanded gradient (stride 0 everywhere)."""
+    q, k, v, cu, _, _ = inputs([40, 25], 2, 64, torch.float32, 2, False)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    torch.ops.qvl.vision_attn(*leaves, cu).sum().backward()
+    ones = torch.ones(q.shape)
+    assert_gradients_close_to_float64([x.grad for x in leaves], q, k, v, cu, ones)
+
+
+def test_wide_offset_variant(monkeypatch):
+    """The 64-bit in-batch offsets taken when T * stride can pass 2**31 give the same gradients."""
+    q, k, v, cu, grad_out, positions = inputs([70, 0, 33], 2, 72, torch.float16, 21, True)
+    narrow = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    monkeypatch.setattr(attention, "_needs_wide_offsets", lambda *args: True)
+    wide = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    """torch.library's own checks, autograd registration and AOT-dispatched backward included."""
+    lengths = [12, 0, 9]
+    q, k, v, cu, grad_out, positions = inputs(lengths, 2, 72, torch.float32, 4, True)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    args = (cu, 12, 0.25, positions, 100.0)
+    torch.library.opcheck(torch.ops.qvl.vision_attn.default, (*leaves, *args))
+    torch.library.opcheck(torch.ops.qvl.vision_attn_with_lse.default, (*leaves, *args))
+    out, lse = torch.ops.qvl.vision_attn_with_lse(q, k, v, *args)
+    torch.library.opcheck(torch.ops.qvl.vision_attn_backward.default, (grad_out, q, k, v, out, lse, *args))
+
+
+def test_backward_needs_the_forwards_log_sum_exp():
+    q, k, v, cu, grad_out, _ = inputs([5], 1, 64, torch.float32, 0, False)
+    out = torch.ops.qvl.vision_attn(q, k, v, cu)
+    backward = torch.ops.qvl.vision_attn_backward
+    with pytest.raises(ValueError, match="lse must be 1-D"):
+        backward(grad_out, q, k, v, out, torch.zeros(1, 5), cu, None, None, None, 10000.0)
+    with pytest.raises(ValueError, match=r"lse must be a contiguous \(H \* T,\)"):
+        backward(grad_out, q, k, v, out, torch.zeros(4), cu, None, None, None, 10000.0)
+
+
+def test_compile_forward_and_backward_without_recompiles():
+    """One compiled training step through both autograd formulas, vision_attn with the fused rotary and
+    rotary_2d before a plain vision_attn, over batches of other sizes and layouts, with no recompile."""
+
+    def step(qkv, cu_seqlens, positions):
+        q, k, v = qkv.unbind(1)
+        fused = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions)
+        q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
+        separate = torch.ops.qvl.vision_attn(q_rot, k_rot, v, cu_seqlens)
+        return fused * 2.0 - separate
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+
+    def reference(qkv, cu_seqlens, positions):
+        q, k, v = qkv.unbind(1)
+        q_rot, k_rot = rotary_2d_reference(q, k, positions)
+        fused = vision_attn_reference(q, k, v, cu_seqlens, positions=positions)
+        return fused * 2.0 - vision_attn_reference(q_rot, k_rot, v, cu_seqlens)
+
+    def check(lengths, seed):
+        q, k, v, cu, grad_out, positions = inputs(lengths, 2, 72, torch.float32, seed, True)
+        qkv = torch.stack([q, k, v], dim=1)
+        (got,) = gradients(lambda x: compiled(x, cu, positions), [qkv], grad_out)
+        (expected,) = gradients(lambda x: reference(x, cu, positions), [qkv], grad_out)
+        (truth,) = gradients(lambda x: reference(x, cu, positions), [qkv.double()], grad_out.double())
+        block_n = launch_config(72, torch.float32, device_target(q.device))["BLOCK_N"]
+        scale = 72**-0.5
+        q_rot, k_rot = rotary_2d_reference(q, k, positions)
+        ulps = online_softmax_ulps(cu, block_n, max_abs_logit(q_rot, k_rot, cu, scale))
+        assert_error_within(got, truth, expected, ulps=ulps, what=f"compiled gradient, lengths {lengths}")
+
+    check([30, 40, 50], seed=1)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        check([7, 90, 0, 33, 1], seed=2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot multiply bf16)")
+@pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
+def test_bf16_on_gpu(head_dim, with_positions):
+    lengths = [1, 257, 1024, 0, 33]
+    q, k, v, cu, grad_out, positions = inputs(lengths, 16, head_dim, torch.bfloat16, head_dim, with_positions)
+    q, k, v, cu, grad_out = (x.cuda() for x in (q, k, v, cu, grad_out))
+    positions = None if positions is None else positions.cuda()
+    grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot hold 2**31-element tensors here)")
+def test_int64_offsets_past_2_pow_31_on_gpu():
+    """A packed qkv whose token stride times token count passes 2**31 elements, in windows (cheap to
+    compute, far to address): the last window's gradients depend on its own tokens only."""
+    num_tokens, num_heads, head_dim, window = 700_000, 16, 72, 1000
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    assert num_tokens * qkv.stride(0) > 2**31
+    cu = torch.arange(0, num_tokens + 1, window, dtype=torch.int32, device="cuda")
+    grad_out = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    grads = kernel_gradients(*qkv.unbind(1), cu, grad_out)
+    tail = slice(num_tokens - window, num_tokens)
+    q, k, v = (x[tail] for x in qkv.unbind(1))
+    last = [grad[tail] for grad in grads]
+    assert_gradients_close_to_float64(last, q, k, v, cu_seqlens_of([window], "cuda"), grad_out[tail])
