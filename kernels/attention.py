@@ -67,7 +67,7 @@ from .common import (
     shared_memory_per_block,
 )
 from .rotary import check_positions, check_rope_head_dim, check_rope_theta, rotary_2d_reference, rotary_launches
-from .tiles import aligned_stride, last_dim_contiguous, rope_apply, rope_cos_sin, rope_dim_tables
+from .tiles import aligned_stride, last_dim_contiguous, rope_apply, rope_cos_sin, rope_dim_tables, route_autograd
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -1080,29 +1080,13 @@ def _with_lse_backward(ctx, grad_out, _grad_lse):
 vision_attn_with_lse.register_autograd(_with_lse_backward, setup_context=_with_lse_setup_context)
 
 
-# vision_attn's autograd keys take the training forward when a gradient will be needed, so the forward
-# writes the log-sum-exp only then (the custom op's own Autograd registration would run vision_attn itself,
-# which has no LSE to save). The dispatcher prefers these per-backend keys to that alias registration, and
-# they still see the caller's grad mode. Otherwise the call goes below autograd, as the custom op's own
-# no-grad path does: inference (eager, or a torch.compile graph, which then holds vision_attn as before) is
-# unchanged.
-_AUTOGRAD_ROUTES = torch.library.Library("qvl", "FRAGMENT")
+# vision_attn takes the training forward when autograd records the call, so the forward writes the log-sum-exp
+# only then (the custom op's own Autograd registration would run vision_attn itself, which has no LSE to save).
+def _training_forward(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, positions=None, rope_theta=10000.0):
+    return torch.ops.qvl.vision_attn_with_lse(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)[0]
 
 
-def _vision_attn_autograd(
-    keyset, q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, positions=None, rope_theta=10000.0
-):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return torch.ops.qvl.vision_attn_with_lse(
-            q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta
-        )[0]
-    return torch.ops.qvl.vision_attn.default.redispatch(
-        keyset & torch._C._after_autograd_keyset, q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta
-    )
-
-
-for _key in ("AutogradCPU", "AutogradCUDA"):
-    _AUTOGRAD_ROUTES.impl("vision_attn", _vision_attn_autograd, _key, with_keyset=True)
+route_autograd("vision_attn", _training_forward)
 
 
 @torch.library.custom_op("qvl::vision_attn_backward", mutates_args=(), device_types=("cpu", "cuda"))

@@ -27,6 +27,7 @@ __all__ = [
     "aligned_stride",
     "last_dim_contiguous",
     "refuse_autograd",
+    "route_autograd",
     "rope_apply",
     "rope_cos_sin",
     "rope_dim_tables",
@@ -140,31 +141,41 @@ def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # The library fragment holding the in-place ops' autograd guards (kept alive with the module).
-_GUARDS = torch.library.Library("qvl", "FRAGMENT")
+_AUTOGRAD_KEYS = torch.library.Library("qvl", "FRAGMENT")
+
+
+def route_autograd(op: str, under_grad) -> None:
+    """Give ``qvl::<op>`` its own kernel on the AutogradCPU / AutogradCUDA keys: with grad mode on and a tensor
+    argument requiring grad the call runs ``under_grad(*args)``; otherwise it goes to the keys below autograd,
+    as the custom op's own no-grad path does (inference is unchanged, eager or compiled).
+
+    The dispatcher prefers these per-backend keys to the custom op's ``Autograd`` registration, and they still
+    see the caller's grad mode (the op body runs under the autograd function's no-grad). The check reads Python
+    attributes only.
+    """
+    overload = getattr(torch.ops.qvl, op).default
+
+    def route(keyset, *args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return under_grad(*args)
+        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        _AUTOGRAD_KEYS.impl(op, route, key, with_keyset=True)
 
 
 def refuse_autograd(op: str, alternative: str) -> None:
-    """Make the in-place op ``qvl::<op>`` raise a RuntimeError naming ``alternative`` when called with grad
-    mode on and a tensor argument that requires grad.
-
-    torch.library gives mutating custom ops no autograd formula (``register_autograd`` refuses non-functional
-    schemas); without this guard such a call would mutate its input and silently leave the autograd graph
-    believing the old value. The check sits on the AutogradCPU / AutogradCUDA keys, which the dispatcher
-    prefers to the custom op's own ``Autograd`` registration and which still see the caller's grad mode (the
-    op body runs under the autograd function's no-grad); it reads Python attributes only, then hands the call
-    to the keys below autograd as the custom op's own no-grad path does.
-    """
-    overload = getattr(torch.ops.qvl, op).default
+    """Make the in-place op ``qvl::<op>`` raise a RuntimeError naming ``alternative`` when autograd would record
+    it (:func:`route_autograd`). torch.library gives mutating custom ops no autograd formula
+    (``register_autograd`` refuses non-functional schemas); without this guard such a call would mutate its input
+    and silently leave the autograd graph believing the old value."""
     message = (
         f"qvl::{op} mutates its input and has no backward (torch.library supports autograd for functional "
         f"custom ops only); under torch.no_grad() or with inputs that do not require grad it runs as usual. "
         f"For gradients use the out-of-place {alternative}."
     )
 
-    def guard(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(message)
-        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+    def refuse(*args):
+        raise RuntimeError(message)
 
-    for key in ("AutogradCPU", "AutogradCUDA"):
-        _GUARDS.impl(op, guard, key, with_keyset=True)
+    route_autograd(op, refuse)

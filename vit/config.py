@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-__all__ = ["QWEN3_FULL_MODEL_TYPES", "QWEN3_VISION_MODEL_TYPES", "TowerConfig", "VisionConfig"]
+__all__ = ["QWEN3_FULL_MODEL_TYPES", "QWEN3_VISION_MODEL_TYPES", "TowerConfig", "TowerShape", "VisionConfig"]
 
 # config.model_type of the models whose vision tower is Qwen3-VL's (VisionConfig's): full (or Qwen3-Omni's thinker)
 # and vision models.
@@ -30,8 +30,27 @@ class TowerConfig(Protocol):
     flops_per_token_pair: int
 
 
+class TowerShape:
+    """The widths every tower config derives alike from its fields (``hidden_size``, ``num_heads``,
+    ``spatial_merge_size``, ``in_channels``, ``temporal_patch_size``, ``patch_size``)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_width(self) -> int:
+        """Width of a merged token, ``hidden_size * spatial_merge_size**2``: the mergers' fc1 in and out."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(TowerShape):
     """The shape of a Qwen3-VL vision tower (defaults: Qwen3-VL-8B)."""
 
     depth: int = 27
@@ -64,22 +83,8 @@ class VisionConfig:
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def num_grid_per_side(self) -> int:
         return int(round(self.num_position_embeddings**0.5))
-
-    @property
-    def merged_width(self) -> int:
-        """Width of a merged token, ``hidden_size * spatial_merge_size**2``: the mergers' fc1 in and out."""
-        return self.hidden_size * self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def linear_flops_per_token(self) -> int:

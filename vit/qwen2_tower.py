@@ -33,6 +33,7 @@ from torch import nn
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 
+from .config import TowerShape
 from .layers import (
     AllReduce,
     column_parallel_input,
@@ -69,7 +70,7 @@ _GELU_APPROXIMATIONS = {"quick_gelu": "quick", "gelu": "none", "gelu_pytorch_tan
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2VisionConfig:
+class Qwen2VisionConfig(TowerShape):
     """The shape of a Qwen2.5-VL (``windowed=True``) or Qwen2-VL vision tower (defaults: Qwen2.5-VL-7B's).
 
     Attributes:
@@ -124,20 +125,6 @@ class Qwen2VisionConfig:
             )
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
             raise ValueError(f"{name}: fullatt_block_indexes {self.fullatt_block_indexes} outside depth {self.depth}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merged_width(self) -> int:
-        """Width of a merged token, ``hidden_size * spatial_merge_size**2``: the merger's fc1 in and out."""
-        return self.hidden_size * self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def deepstack_visual_indexes(self) -> tuple[int, ...]:
