@@ -19,11 +19,21 @@ from pathlib import Path
 
 import torch
 
-from . import bench_attention, bench_merger, bench_pos_embed, bench_rotary, bench_tower, bench_window, harness
+from . import (
+    bench_attention,
+    bench_attention_backward,
+    bench_merger,
+    bench_pos_embed,
+    bench_rotary,
+    bench_tower,
+    bench_window,
+    harness,
+)
 from .harness import Report
 
 MODULES = {
     "attention": bench_attention,
+    "attention_backward": bench_attention_backward,
     "rotary": bench_rotary,
     "pos_embed": bench_pos_embed,
     "merger": bench_merger,

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import (  # noqa: E402
     bench_attention,
+    bench_attention_backward,
     bench_merger,
     bench_pos_embed,
     bench_rotary,
@@ -74,6 +75,22 @@ def test_attention_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for impl, note in (("qvl+rope", "fused rope "), ("rotary_2d+qvl", "separate rope ")):
         assert all(r["note"].startswith(note) for r in data["records"] if r["impl"] == impl)
     check_table_last(out, names[-1], "sdpa/image")
+
+
+def test_attention_backward_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Forward + backward rows: every variant's gradients agree with qvl's (the rope variants' rotated back into
+    the rotated frame), the work is 3.5x the forward's."""
+    data, out = run_cpu(bench_attention_backward, tmp_path, capsys)
+    check_meta(data, "attention_backward")
+    cases = bench_attention.cases(CPU, quick=True)
+    impls = ("qvl", "qvl+rope", "rotary_2d+qvl", "sdpa/image")
+    check_records(data, {(c.name, i) for c in cases for i in impls}, baseline="sdpa/image")
+    for case in cases:
+        forward = harness.attention_flops(case.dims.num_heads, case.dims.head_dim, bench_attention.seqlens(case.grids))
+        assert {r["work"] for r in data["records"] if r["case"] == case.name} == {3.5 * forward}
+    for peer in ("varlen_attn", "flex_attention", "flash_attn"):
+        assert data["skipped"][peer] == "CPU run: torch paths only"
+    check_table_last(out, cases[-1].name, "sdpa/image")
 
 
 def test_rotary_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -207,7 +224,15 @@ def test_window_work_table_prints_without_running_kernels(capsys: pytest.Capture
 
 
 def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> None:
-    assert list(run_all.MODULES) == ["attention", "rotary", "pos_embed", "merger", "tower", "window"]
+    assert list(run_all.MODULES) == [
+        "attention",
+        "attention_backward",
+        "rotary",
+        "pos_embed",
+        "merger",
+        "tower",
+        "window",
+    ]
     assert run_all.parse_args(["--only", "tower, pos_embed"]).names == ["tower", "pos_embed"]
     assert run_all.parse_args([]).names == list(run_all.MODULES)
     with pytest.raises(SystemExit):

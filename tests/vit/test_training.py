@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import warnings
 
 import pytest
 import torch
 from test_hf_patch import GRID, float64_run, tiny_full_model, tiny_vl_config
 from test_hf_patch import image_inputs as qwen3_inputs
+from test_model import one_intra_op_thread, peak_tensor_bytes
 from test_qwen2_towers import FAMILIES as QWEN2_FAMILIES
 from test_qwen2_towers import image_inputs as qwen2_inputs
 from test_qwen2_towers import qwen2_5_full_config, qwen2_full_config
@@ -220,6 +222,34 @@ def test_compiled_training_step_without_recompiles():
                 [expected[n] for n in names],
                 what=f"compiled training, batch {index}",
             )
+
+
+def test_training_step_peak_memory_not_above_sdpa():
+    """A training step (forward and backward) of the patched vision model holds no more tensor bytes at its peak
+    than the unpatched model with SDPA on the same batch. The kernels run through the interpreter, whose own
+    work lives in numpy arrays: the bytes counted are the tensors a GPU run would allocate (the activations saved
+    for backward, the log-sum-exp, the gradients), and attention keeps no score matrix in either."""
+    hf = hf_vision_model(seed=52, depth=2, deepstack_visual_indexes=[1])
+    patched = patch_model(copy.deepcopy(hf))
+    # One image large enough that a saved score matrix would dominate (256 tokens: 2 x 256^2 fp32 per block is
+    # 512 KiB against 256 x 144 fp32 activations), plus a small one.
+    grid = [[1, 16, 16], [1, 4, 6]]
+    pixels, grid_thw = pixel_values_for(grid, seed=53), torch.tensor(grid)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            out = model(pixels, grid_thw=grid_thw)
+            (out.pooler_output.square().sum() + sum(f.sum() for f in out.deepstack_features)).backward()
+
+    peaks = {}
+    with one_intra_op_thread():
+        for name, model in (("sdpa", hf), ("qvl", patched)):
+            step(model.train())  # warm-up: the kernels' first launch, lazily built tables
+            gc.collect()
+            peaks[name] = peak_tensor_bytes(lambda m=model: step(m), "cpu")
+    print(f"peak tensor bytes of one training step: {peaks}")
+    assert peaks["qvl"] <= peaks["sdpa"], peaks
 
 
 # --------------------------------------------------------------------------------------------------
