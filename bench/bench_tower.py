@@ -1,31 +1,38 @@
-"""The whole vision tower, pixels to merged tokens: qvl's ``VisionTransformer`` (eager and
-``tower.compile()``) against transformers' ``Qwen3VLVisionModel`` with SDPA and, where flash-attn is
-installed, FlashAttention-2.
+"""The whole vision tower, pixels to merged tokens, as inference (a forward) and as one training step (forward
+and backward to every parameter's gradient): qvl's ``VisionTransformer`` (eager and ``tower.compile()``) against
+transformers' ``Qwen3VLVisionModel`` with SDPA and, where flash-attn is installed, FlashAttention-2.
 
 Every implementation of a model is built from the same random weights: a transformers tower is
 randomized, and qvl's towers are ``VisionTransformer.from_hf`` copies of it. Each call is a whole
 forward as a caller makes it, per-batch metadata included (qvl builds it on the host from a CPU
-``grid_thw``; transformers from the device ``grid_thw``, with host syncs). Before any timing each
-output (merged tokens and deepstack features) is checked against transformers+SDPA.
+``grid_thw``; transformers from the device ``grid_thw``, with host syncs). A training step's call is that
+forward, then ``torch.autograd.grad`` of the merged and deepstack outputs, for a fixed random gradient of each
+(the same for every implementation), with respect to all the tower's parameters (the pixels need none). Before
+any timing each output (merged tokens and deepstack features) is checked against transformers+SDPA's; each
+training step's parameter gradients against those of an fp32 copy of transformers+SDPA (its own included).
 
 Workloads: one 1024x1024 image (64x64 patches), a batch of 8 mixed images (16016 patches) and a
-16-frame 512x512 video (grid 8x32x32), on Qwen3-VL-2B and -8B shapes.
+16-frame 512x512 video (grid 8x32x32), on Qwen3-VL-2B and -8B shapes; each as a forward case and as a
+training-step case (named "... training").
 
     python -m bench.bench_tower [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
 
-Rates are TFLOP/s of the tower's matmuls and attention (useful work, true head dim). Notes give
-images (or frames) per second and peak memory: what ``torch.cuda.max_memory_allocated()`` would read
-with only that implementation loaded, i.e. its weights and the inputs plus the forward's measured
-rise above them. On a CPU a tiny tower (depth 2, hidden 128) runs the torch paths, and memory is not
-measured ("-").
+Rates are TFLOP/s of the tower's matmuls and attention (useful work, true head dim; a training step counts the
+backward too, see :func:`training_flops`). Notes give images (or frames) per second and peak memory: what
+``torch.cuda.max_memory_allocated()`` would read with only that implementation loaded, i.e. its weights and the
+inputs plus the call's measured rise above them (a training step's includes the gradients it returns). On a
+CPU a tiny tower (depth 2, hidden 128) runs the torch paths, trains on the smallest workload only, and memory
+is not measured ("-").
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.metadata
 import importlib.util
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +43,7 @@ from torch import nn
 from qvl.vit import VisionConfig, VisionTransformer
 
 from . import harness
+from .bench_attention_backward import TRAINING_WORK
 from .harness import Device, Report, RunConfig
 from .workloads import MIXED_8, MIXED_TINY, randomize
 
@@ -69,10 +77,16 @@ class Case:
     model: str
     config: VisionConfig
     workload: Workload
+    training: bool = False  # one training step instead of a forward
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.workload.name}"
+        return f"{self.model} {self.workload.name}" + (" training" if self.training else "")
+
+    @property
+    def flops(self) -> float:
+        count = training_flops if self.training else tower_flops
+        return count(self.config, self.workload.grid_thw)
 
 
 @dataclass(frozen=True)
@@ -103,10 +117,13 @@ def workloads(device: Device) -> list[Workload]:
 
 
 def cases(device: Device, quick: bool) -> list[Case]:
-    if not device.is_cuda:
-        return [Case("tiny", TINY, w) for w in workloads(device)]
-    models = ("8B",) if quick else ("2B", "8B")
-    return [Case(m, TOWERS[m], w) for m in models for w in workloads(device)]
+    """Per model, its forward cases, then its training cases (a model's towers change mode once)."""
+    models = {"tiny": TINY} if not device.is_cuda else {m: TOWERS[m] for m in (("8B",) if quick else ("2B", "8B"))}
+    forward = workloads(device)
+    # transformers' bf16 Conv3d backward takes most of a second on a CPU even for the tiny workloads.
+    training = forward if device.is_cuda else [min(forward, key=lambda w: sum(map(math.prod, w.grid_thw)))]
+    return [Case(m, config, w, train) for m, config in models.items()
+            for train, ws in ((False, forward), (True, training)) for w in ws]  # fmt: skip
 
 
 def make_inputs(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]], device: Device, dtype) -> Inputs:
@@ -118,18 +135,42 @@ def make_inputs(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]], 
     return Inputs(pixels, grid, grid.to(dev))
 
 
-def tower_flops(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]]) -> float:
-    """Useful FLOPs of one forward: patch embed, per block qkv/proj/MLP and attention, the mergers."""
+@dataclass(frozen=True)
+class ForwardWork:
+    """Useful FLOPs of one forward, by the backward each part needs."""
+
+    patch_embed: float  # its input, the pixels, needs no gradient
+    linears: float  # per block qkv/proj/MLP, the mergers
+    attention: float
+
+
+def forward_work(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]]) -> ForwardWork:
     tokens = sum(t * h * w for t, h, w in grid_thw)
     c, inter = config.hidden_size, config.intermediate_size
     patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
     merged_width = c * config.spatial_merge_size**2
     segments = [h * w for t, h, w in grid_thw for _ in range(t)]  # attention stays within a frame
-    block = 2 * tokens * (4 * c * c + 2 * c * inter)
-    block += harness.attention_flops(config.num_heads, config.head_dim, segments)
     mergers = (1 + len(config.deepstack_visual_indexes)) * 2 * (tokens // config.spatial_merge_size**2)
     mergers *= merged_width * (merged_width + config.out_hidden_size)
-    return 2.0 * tokens * patch * c + config.depth * block + mergers
+    return ForwardWork(
+        patch_embed=2.0 * tokens * patch * c,
+        linears=config.depth * 2 * tokens * (4 * c * c + 2 * c * inter) + mergers,
+        attention=config.depth * harness.attention_flops(config.num_heads, config.head_dim, segments),
+    )
+
+
+def tower_flops(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]]) -> float:
+    """Useful FLOPs of one forward: patch embed, per block qkv/proj/MLP and attention, the mergers."""
+    work = forward_work(config, grid_thw)
+    return work.patch_embed + work.linears + work.attention
+
+
+def training_flops(config: VisionConfig, grid_thw: Sequence[tuple[int, int, int]]) -> float:
+    """Useful FLOPs of one training step: the forward's plus the backward's. The patch embed's backward is its
+    weight's gradient only (2x its forward in all), every other matmul's its input's and its weight's (3x), and
+    attention's TRAINING_WORK times its forward (backward = 2.5x forward, :mod:`bench.bench_attention_backward`)."""
+    work = forward_work(config, grid_thw)
+    return 2 * work.patch_embed + 3 * work.linears + TRAINING_WORK * work.attention
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,42 +238,92 @@ def weight_bytes(module: nn.Module) -> int:
     return harness.tensor_bytes(*itertools.chain(module.parameters(), module.buffers()))
 
 
-def peak_memory(impl: Impl, x: Inputs, device: Device) -> int | None:
-    """Peak bytes with only ``impl`` loaded: its weights and the inputs, plus the forward's rise over
-    what is allocated now (other implementations' weights sit there too, so they are subtracted)."""
+def output_grads(config: VisionConfig, x: Inputs) -> list[torch.Tensor]:
+    """A fixed random gradient of each output of a forward on ``x``: the merged tokens, then each deepstack
+    feature (every implementation's backward starts from the same)."""
+    rows = x.pixels.shape[0] // config.spatial_merge_size**2
+    shape = (1 + len(config.deepstack_visual_indexes), rows, config.out_hidden_size)
+    gen = torch.Generator(device=x.pixels.device).manual_seed(1)
+    return list(torch.randn(shape, generator=gen, device=x.pixels.device, dtype=x.pixels.dtype).unbind(0))
+
+
+def bound_call(
+    impl: Impl, x: Inputs, device: Device, out_grads: list[torch.Tensor] | None = None
+) -> Callable[[], list[torch.Tensor]]:
+    """``impl``'s call on ``x``. Without ``out_grads`` a forward, returning its outputs (merged tokens, then the
+    deepstack features); with them (:func:`output_grads`) a training step, returning the parameters' gradients
+    ordered by parameter name (qvl's tower keeps transformers' names): ``impl.module``'s parameters must require
+    grad."""
+    if out_grads is None:
+
+        def forward() -> list[torch.Tensor]:
+            merged, deepstack = impl.run(x)
+            return [merged, *deepstack]
+
+        return forward
+    params = [param for _, param in sorted(impl.module.named_parameters())]
+
+    def step() -> list[torch.Tensor]:
+        # The backward runs on qvl's path for ``device`` too (impl.run's own context has closed by then).
+        with harness.qvl_path(device):
+            merged, deepstack = impl.run(x)
+            return list(torch.autograd.grad([merged, *deepstack], params, out_grads))
+
+    return step
+
+
+def peak_memory(module: nn.Module, call: Callable[[], object], x: Inputs, device: Device) -> int | None:
+    """Peak bytes with only ``module`` loaded: its weights and the inputs, plus ``call``'s rise over what is
+    allocated now (other implementations' weights sit there too, so they are subtracted)."""
     if not device.is_cuda:
         return None
     torch.cuda.synchronize(device.torch_device)
     before = torch.cuda.memory_allocated(device.torch_device)
     torch.cuda.reset_peak_memory_stats(device.torch_device)
-    out = impl.run(x)
+    out = call()
     torch.cuda.synchronize(device.torch_device)
     rise = torch.cuda.max_memory_allocated(device.torch_device) - before
     del out
-    return weight_bytes(impl.module) + harness.tensor_bytes(x.pixels, x.grid_device) + rise
+    return weight_bytes(module) + harness.tensor_bytes(x.pixels, x.grid_device) + rise
 
 
 def run_trial(impl: Impl, x: Inputs) -> Output:
     return impl.run(x)
 
 
-def max_err(out: Output, ref: Output) -> float:
-    pairs = zip([out[0], *out[1]], [ref[0], *ref[1]], strict=True)
-    return max(harness.max_rel_err(o, r) for o, r in pairs)
+def max_err(out: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    return max(harness.max_rel_err(o, r) for o, r in zip(out, ref, strict=True))
+
+
+def fp32_gradients(
+    reference: nn.Module, x: Inputs, device: Device, out_grads: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The training step's gradients through an fp32 copy of ``reference`` on ``x`` and ``out_grads`` (upcast):
+    what every implementation's are checked against, transformers' own too: in bf16 on a CPU its LayerNorm and
+    patch-embed weight gradients are 2-3e-2 off float64's, beyond the tolerance."""
+    model = copy.deepcopy(reference).float().requires_grad_(True)
+    x32 = dataclasses.replace(x, pixels=x.pixels.float())
+    return bound_call(hf_impl(model), x32, device, [g.float() for g in out_grads])()
 
 
 def run_case(report: Report, case: Case, impls: dict[str, Impl], device: Device, dtype: torch.dtype) -> None:
     x = make_inputs(case.config, case.workload.grid_thw, device, dtype)
-    ref = impls[REFERENCE].run(x)
+    # The towers are built frozen: a training case's gradients need the parameters to require grad.
+    for impl in impls.values():
+        impl.module.requires_grad_(case.training)
+    out_grads = output_grads(case.config, x) if case.training else None
+    # One input set: the weights (hundreds of MB at 2B and 8B) stream through L2 in every call anyway.
+    calls = {name: [bound_call(impl, x, device, out_grads)] for name, impl in impls.items()}
+    if case.training:
+        ref = fp32_gradients(impls[REFERENCE].module, x, device, out_grads)
+    else:
+        ref = calls[REFERENCE][0]()
 
-    def check(name: str, call: Callable[[], Output]) -> float | None:
-        return None if name == REFERENCE else max_err(call(), ref)
+    def check(name: str, call: Callable[[], list[torch.Tensor]]) -> float | None:
+        return max_err(call(), ref) if case.training or name != REFERENCE else None
 
-    # One input set: the weights (hundreds of MB at 2B and 8B) stream through L2 in every forward anyway.
-    calls = {name: [partial(impl.run, x)] for name, impl in impls.items()}
-    flops = tower_flops(case.config, case.workload.grid_thw)
-    records = harness.check_then_time(report, case.name, flops, calls, check, rep_ms=500)
-    peaks = {name: peak_memory(impls[name], x, device) for name in records}
+    records = harness.check_then_time(report, case.name, case.flops, calls, check, rep_ms=500)
+    peaks = {name: peak_memory(impls[name].module, calls[name][0], x, device) for name in records}
     base = next((r.baseline for r in records.values() if r.baseline), None)
     for name, record in records.items():
         throughput = case.workload.items / (record.ms * 1e-3)
@@ -247,8 +338,18 @@ def run_case(report: Report, case: Case, impls: dict[str, Impl], device: Device,
 def benchmark(config: RunConfig) -> Report:
     device, dtype = config.device, config.dtype
     report = Report("tower", device, dtype, "flops", BASELINES)
-    report.notes.append(f"max rel err: of the merged and deepstack outputs, against {REFERENCE}")
-    report.notes.append("goal (H200, bf16): qvl compiled >= 1.3x hf flash_attention_2 on 8B, peak memory no higher")
+    report.notes.append(
+        f"max rel err: of the merged and deepstack outputs against {REFERENCE}'s; training: the largest over the "
+        f"parameters' gradients, against an fp32 copy of {REFERENCE}'s"
+    )
+    report.notes.append(
+        f"training work: 2x the patch embed's forward FLOPs, 3x the other matmuls' (dX, dW), {TRAINING_WORK}x "
+        "attention's (backward = 2.5x forward)"
+    )
+    report.notes.append(
+        "goal (H200, bf16): on 8B qvl compiled >= 1.3x hf flash_attention_2 with peak memory no higher; a training "
+        "step >= 1.2x"
+    )
     report.meta["transformers"] = importlib.metadata.version("transformers")
     all_cases = cases(device, config.quick)
     report.meta["towers"] = {c.model: dataclasses.asdict(c.config) for c in all_cases}

@@ -5,7 +5,8 @@
 (``python -m bench.run_all`` is the same.) Each module writes its JSON to ``--json-dir`` as
 ``<bench>-<device>-<date>.json`` and prints its summary as it finishes; all summaries are printed
 again at the end, tables last. A module that fails is reported and the others still run; the exit
-status is 1 if any failed.
+status is 1 if any failed. Plots of the results (:mod:`bench.plot`) go beside the JSON as
+``plot-<figure>-<device>-<date>.png``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str, str]]:
-    """Run the chosen modules; returns ({name: report}, {name: why it failed})."""
+    """Run the chosen modules and plot their results; returns ({name: report}, {name: why it failed})."""
     args = parse_args(argv)
     slug = harness.get_device(args.device).slug
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -77,7 +78,22 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str,
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    write_plots(reports, args.json_dir, f"{slug}-{stamp}")
     return reports, failures
+
+
+def write_plots(reports: dict[str, Report], out_dir: Path, run: str) -> None:
+    """Draw the run's plots beside its JSON files (:mod:`bench.plot`) and print their paths. A plotting
+    failure, matplotlib missing included, costs the plots only: it is printed, the run goes on."""
+    try:
+        from . import plot
+
+        paths = plot.write_plots([report.to_json() for report in reports.values()], out_dir, run)
+    except Exception as exc:  # noqa: BLE001 - the measurements are saved already; the plots are extra
+        print(f"plots skipped: {harness.reason(exc)}", flush=True)
+        return
+    for path in paths:
+        print(f"plot: {path}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,8 +6,10 @@ rounding once on the store. A program holds whole rows (``BLOCK_C = next_pow2(C)
 variance come from one read of the row, with the variance taken over centered values (no
 ``E[x^2] - E[x]^2`` cancellation).
 
-The row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`)
-and the argument checks (:func:`check_norm_args`) are shared with RMSNorm (:mod:`qvl.kernels.rms_norm`).
+The row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`),
+the argument checks (:func:`check_norm_args`) and the backward (:func:`norm_backward`: one kernel, its
+``CENTERED`` switch choosing LayerNorm's formulas or RMSNorm's) are shared with RMSNorm
+(:mod:`qvl.kernels.rms_norm`).
 
 Backward (``torch.ops.qvl.layer_norm_backward``, registered as both ops' autograd formula): one kernel
 computes ``dx`` per row in fp32 and sums ``dweight``/``dbias`` over each program's rows into fp32 partial
@@ -47,10 +49,11 @@ __all__ = [
     "backward_launch_config",
     "check_norm_backward_args",
     "launch_config",
+    "norm_backward",
+    "norm_backward_launches",
     "norm_partials",
     "layer_norm",
     "layer_norm_backward",
-    "layer_norm_backward_launches",
     "layer_norm_backward_reference",
     "layer_norm_launches",
     "layer_norm_reference",
@@ -121,7 +124,7 @@ def _layer_norm_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
-def _layer_norm_backward_kernel(
+def _norm_backward_kernel(
     # pointers
     X,
     Weight,
@@ -145,7 +148,10 @@ def _layer_norm_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    CENTERED: tl.constexpr,
 ):
+    """LayerNorm's backward when ``CENTERED`` (partial rows of dweight and dbias), else RMSNorm's (dweight only,
+    summed over the rounded normalized row its forward multiplies by the weight)."""
     pid = tl.program_id(0)
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_cols
@@ -155,27 +161,34 @@ def _layer_norm_backward_kernel(
     for block in range(0, blocks_per_program):
         rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < num_rows)[:, None] & mask_c[None, :]
-        # The forward's statistics, recomputed exactly as the forward kernel computes them.
+        # The forward's statistics, recomputed exactly as the forward kernels compute them.
         x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / num_cols
-        centered = tl.where(mask_c[None, :], x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / num_cols + eps)
-        x_hat = centered * rstd[:, None]
+        if CENTERED:
+            mean = tl.sum(x, axis=1) / num_cols
+            x = tl.where(mask_c[None, :], x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
+        x_hat = x * rstd[:, None]
         dy = tl.load(DY + rows[:, None] * stride_dym + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        # dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), g = dy * weight (0 in padding and masked rows).
+        # dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), g = dy * weight (0 in padding and masked rows);
+        # RMSNorm's has no mean(g) term (its forward subtracts no mean).
         g = dy * weight[None, :]
-        mean_g = tl.sum(g, axis=1) / num_cols
-        mean_gx = tl.sum(g * x_hat, axis=1) / num_cols
-        dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
+        dx = g
+        if CENTERED:
+            dx -= (tl.sum(g, axis=1) / num_cols)[:, None]
+        dx = (dx - x_hat * (tl.sum(g * x_hat, axis=1) / num_cols)[:, None]) * rstd[:, None]
         if HAS_DELTA:
-            # add_layer_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
+            # add_*_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
             dx += tl.load(DH + rows[:, None] * stride_dhm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dweight += tl.sum(dy * x_hat, axis=0)
-        dbias += tl.sum(dy, axis=0)
+        if CENTERED:
+            dweight += tl.sum(dy * x_hat, axis=0)
+            dbias += tl.sum(dy, axis=0)
+        else:
+            dweight += tl.sum(dy * x_hat.to(DX.dtype.element_ty).to(tl.float32), axis=0)
     partial = Partials + pid.to(tl.int64) * num_cols + offs_c
     tl.store(partial, dweight, mask=mask_c)
-    tl.store(partial + stride_pk, dbias, mask=mask_c)
+    if CENTERED:
+        tl.store(partial + stride_pk, dbias, mask=mask_c)
 
 
 def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
@@ -228,14 +241,15 @@ def norm_partials(x: torch.Tensor, num_params: int) -> torch.Tensor:
     return torch.empty((num_params, config["programs"], x.shape[1]), dtype=torch.float32, device=x.device)
 
 
-def layer_norm_backward_launches(
-    grad_y, x, weight, grad_h, dx, partials, dweight, dbias, eps: float, target: GPUTarget
+def norm_backward_launches(
+    grad_y, x, weight, grad_h, dx, partials, param_grads: tuple[torch.Tensor, ...], eps: float, target: GPUTarget
 ) -> list[KernelLaunch]:
-    """The launches of LayerNorm's backward for checked arguments: ``dx`` (x's shape and dtype) and the fp32
-    ``partials`` (:func:`norm_partials` with 2 rows), then their reduction into ``dweight`` and ``dbias``.
-    ``x`` is the normalized input (add_layer_norm's stored ``h``); ``grad_h`` (or None) is added to ``dx``.
-    Mutates dx, partials, dweight, dbias; empty when x has no rows. Reads shapes and strides only (no device
-    sync)."""
+    """The launches of a norm's backward for checked arguments: LayerNorm's when ``param_grads`` is
+    ``(dweight, dbias)``, RMSNorm's when it is ``(dweight,)``. One kernel writes ``dx`` (x's shape and dtype)
+    and the fp32 ``partials`` (:func:`norm_partials` with ``len(param_grads)`` rows), a second reduces them into
+    ``param_grads``. ``x`` is the normalized input (add_*_norm's stored ``h``); ``grad_h`` (or None) is added to
+    ``dx``. Mutates dx, partials and param_grads; empty when x has no rows. Reads shapes and strides only (no
+    device sync)."""
     num_rows, num_cols = x.shape
     if num_rows == 0:
         return []
@@ -248,10 +262,30 @@ def layer_norm_backward_launches(
         eps,
         x.stride(0), grad_y.stride(0), grad_h.stride(0) if has_delta else 0, dx.stride(0), partials.stride(0),
     )  # fmt: skip
-    return [
-        KernelLaunch(_layer_norm_backward_kernel, grid, args, config),
-        sum_partials_launch(partials, (dweight, dbias)),
-    ]
+    kernel = KernelLaunch(_norm_backward_kernel, grid, args, dict(config, CENTERED=len(param_grads) == 2))
+    return [kernel, sum_partials_launch(partials, param_grads)]
+
+
+def norm_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    grad_h: torch.Tensor | None,
+    num_params: int,
+) -> tuple[torch.Tensor, ...]:
+    """The kernels' ``(dx, *param_grads)`` of a norm over checked arguments, new tensors in x's dtype: LayerNorm's
+    (``dweight, dbias``) with ``num_params`` 2, RMSNorm's (``dweight``) with 1 (:func:`norm_backward_launches`)."""
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # With no rows nothing is launched and the parameter gradients are zeros.
+    new_param = torch.empty_like if x.shape[0] else torch.zeros_like
+    param_grads = tuple(new_param(weight) for _ in range(num_params))
+    partials = norm_partials(x, num_params)
+    launches = norm_backward_launches(
+        grad_y, x, weight, grad_h, dx, partials, param_grads, eps, device_target(x.device)
+    )
+    run_launches(launches, x.device)
+    return dx, *param_grads
 
 
 def _launch_layer_norm(x, delta, h, weight, bias, y, eps: float) -> None:
@@ -426,16 +460,7 @@ def layer_norm_backward(
     check_norm_backward_args("layer_norm_backward", grad_y, x, weight, eps, grad_h)
     if backend_for(x.device) == "torch":
         return layer_norm_backward_reference(grad_y, x, weight, eps, grad_h)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # With no rows nothing is launched and the parameter gradients are zeros.
-    new_param = torch.empty_like if x.shape[0] else torch.zeros_like
-    dweight, dbias = new_param(weight), new_param(weight)
-    partials = norm_partials(x, 2)
-    launches = layer_norm_backward_launches(
-        grad_y, x, weight, grad_h, dx, partials, dweight, dbias, eps, device_target(x.device)
-    )
-    run_launches(launches, x.device)
-    return dx, dweight, dbias
+    return norm_backward(grad_y, x, weight, eps, grad_h, 2)
 
 
 @layer_norm_backward.register_fake

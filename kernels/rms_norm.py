@@ -16,7 +16,8 @@ of one 16-bit dtype.
 
 The kernel is memory bound like LayerNorm's, and shares its family's parts in :mod:`qvl.kernels.layer_norm`:
 the row blocking (:func:`launch_config`: a program holds whole rows), the row load with the fused residual
-add (:func:`~qvl.kernels.layer_norm.load_norm_rows`) and the argument checks.
+add (:func:`~qvl.kernels.layer_norm.load_norm_rows`), the argument checks and the backward kernel and its
+launch (:func:`~qvl.kernels.layer_norm.norm_backward`).
 
 Backward (``torch.ops.qvl.rms_norm_backward``, both ops' autograd formula) as LayerNorm's: ``dx`` per row in
 fp32 in one kernel, ``dweight`` as per-program fp32 partial sums added in a fixed order afterwards
@@ -36,14 +37,13 @@ from triton.backends.compiler import GPUTarget
 from .common import KernelLaunch, backend_for, device_target, run_launches
 from .layer_norm import (
     MAX_NORM_DIM,
-    backward_launch_config,
     check_norm_args,
     check_norm_backward_args,
     launch_config,
     load_norm_rows,
-    norm_partials,
+    norm_backward,
 )
-from .tiles import last_dim_contiguous, sum_partials_launch
+from .tiles import last_dim_contiguous
 
 __all__ = [
     "MAX_NORM_DIM",
@@ -52,7 +52,6 @@ __all__ = [
     "launch_config",
     "rms_norm",
     "rms_norm_backward",
-    "rms_norm_backward_launches",
     "rms_norm_backward_reference",
     "rms_norm_launches",
     "rms_norm_reference",
@@ -98,57 +97,6 @@ def _rms_norm_kernel(
     tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
-def _rms_norm_backward_kernel(
-    # pointers
-    X,
-    Weight,
-    DY,
-    DH,
-    DX,
-    Partials,
-    # sizes
-    num_rows,
-    num_cols,
-    blocks_per_program,
-    # scalars
-    eps,
-    # strides (rows); the last dims are contiguous
-    stride_xm,
-    stride_dym,
-    stride_dhm,
-    stride_dxm,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < num_cols
-    weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    dweight = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for block in range(0, blocks_per_program):
-        rows = (pid * blocks_per_program + block).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < num_rows)[:, None] & mask_c[None, :]
-        # The forward's rstd and rounded normalized row, recomputed as the forward kernel computes them.
-        x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
-        x_hat = x * rstd[:, None]
-        normed = x_hat.to(DX.dtype.element_ty).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dym + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        # dx = rstd * (g - x_hat * mean(g * x_hat)), g = dy * weight (0 in padding and masked rows).
-        g = dy * weight[None, :]
-        mean_gx = tl.sum(g * x_hat, axis=1) / num_cols
-        dx = (g - x_hat * mean_gx[:, None]) * rstd[:, None]
-        if HAS_DELTA:
-            # add_rms_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
-            dx += tl.load(DH + rows[:, None] * stride_dhm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dweight += tl.sum(dy * normed, axis=0)
-    tl.store(Partials + pid.to(tl.int64) * num_cols + offs_c, dweight, mask=mask_c)
-
-
 def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
     """The launch RMS-normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given)
     into ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device
@@ -166,29 +114,6 @@ def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> 
         x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
     )  # fmt: skip
     return [KernelLaunch(_rms_norm_kernel, grid, args, config)]
-
-
-def rms_norm_backward_launches(
-    grad_y, x, weight, grad_h, dx, partials, dweight, eps: float, target: GPUTarget
-) -> list[KernelLaunch]:
-    """The launches of RMSNorm's backward for checked arguments: ``dx`` (x's shape and dtype) and the fp32
-    ``partials`` (:func:`~qvl.kernels.layer_norm.norm_partials` with 1 row), then their reduction into
-    ``dweight``. ``x`` is the normalized input (add_rms_norm's stored ``h``); ``grad_h`` (or None) is added
-    to ``dx``. Mutates dx, partials, dweight; empty when x has no rows. Reads shapes and strides only (no
-    device sync)."""
-    num_rows, num_cols = x.shape
-    if num_rows == 0:
-        return []
-    has_delta = grad_h is not None
-    config = backward_launch_config(num_rows, num_cols, has_delta, target)
-    grid = (config.pop("programs"),)
-    args = (
-        x, weight, grad_y, grad_h if has_delta else grad_y, dx, partials,
-        num_rows, num_cols, config.pop("blocks_per_program"),
-        eps,
-        x.stride(0), grad_y.stride(0), grad_h.stride(0) if has_delta else 0, dx.stride(0),
-    )  # fmt: skip
-    return [KernelLaunch(_rms_norm_backward_kernel, grid, args, config), sum_partials_launch(partials, (dweight,))]
 
 
 def _launch_rms_norm(x, delta, h, weight, y, eps: float) -> None:
@@ -314,13 +239,7 @@ def rms_norm_backward(
     check_norm_backward_args("rms_norm_backward", grad_y, x, weight, eps, grad_h)
     if backend_for(x.device) == "torch":
         return rms_norm_backward_reference(grad_y, x, weight, eps, grad_h)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # With no rows nothing is launched and the weight's gradient is zeros.
-    dweight = torch.empty_like(weight) if x.shape[0] else torch.zeros_like(weight)
-    partials = norm_partials(x, 1)
-    target = device_target(x.device)
-    run_launches(rms_norm_backward_launches(grad_y, x, weight, grad_h, dx, partials, dweight, eps, target), x.device)
-    return dx, dweight
+    return norm_backward(grad_y, x, weight, eps, grad_h, 1)
 
 
 @rms_norm_backward.register_fake

@@ -144,22 +144,39 @@ def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_tower_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Forward cases (errors against hf sdpa's outputs) and a training-step case (errors of every implementation's
+    parameter gradients against an fp32 copy of hf sdpa, transformers' own included), with their work counts."""
     data, out = run_cpu(bench_tower, tmp_path, capsys)
     check_meta(data, "tower")
     all_cases = bench_tower.cases(CPU, quick=True)
-    names = [case.name for case in all_cases]
-    check_records(data, {(c, i) for c in names for i in ("qvl", "hf sdpa")}, baseline="hf sdpa", reference="hf sdpa")
+    forward = [case for case in all_cases if not case.training]
+    training = [case for case in all_cases if case.training]
+    assert [c.workload for c in forward] == bench_tower.workloads(CPU)
+    assert [c.name for c in training] == ["tiny video 4 frames 4x4 training"]  # the smallest workload
+    impls = ("qvl", "hf sdpa")
+    by_mode = {mode: {**data, "records": [r for r in data["records"] if r["case"].endswith(" training") == mode]}
+               for mode in (False, True)}  # fmt: skip
+    check_records(by_mode[False], {(c.name, i) for c in forward for i in impls}, "hf sdpa", reference="hf sdpa")
+    # transformers' own bf16 gradients are checked too; whether they are within the tolerance is theirs to say.
+    qvl_training = {**data, "records": [r for r in by_mode[True]["records"] if r["impl"] == "qvl"]}
+    check_records(qvl_training, {(c.name, "qvl") for c in training}, "hf sdpa", reference="hf sdpa")
+    assert {(r["case"], r["impl"]) for r in by_mode[True]["records"]} == {(c.name, i) for c in training for i in impls}
+    assert all(math.isfinite(r["max_rel_err"]) and r["max_rel_err"] > 0 for r in by_mode[True]["records"])
     for peer in ("qvl compiled", "hf flash_attention_2"):
         assert data["skipped"][peer] == "CPU run: torch paths only"
     for case in all_cases:
         rows = [r for r in data["records"] if r["case"] == case.name]
-        assert {r["work"] for r in rows} == {bench_tower.tower_flops(case.config, case.workload.grid_thw)}
+        work = bench_tower.forward_work(case.config, case.workload.grid_thw)
+        forward_flops = work.patch_embed + work.linears + work.attention
+        assert bench_tower.tower_flops(case.config, case.workload.grid_thw) == forward_flops
+        expected = 2 * work.patch_embed + 3 * work.linears + 3.5 * work.attention if case.training else forward_flops
+        assert {r["work"] for r in rows} == {expected}
         for r in rows:
             throughput, unit = data["throughput"][case.name][r["impl"]]
             assert unit == case.workload.unit and throughput == pytest.approx(case.workload.items / (r["ms"] * 1e-3))
-            assert r["note"].startswith(f"{throughput:.4g} {unit}, peak -")
+            assert r["note"] == f"{throughput:.4g} {unit}, peak -"
             assert data["peak_memory_bytes"][case.name][r["impl"]] is None  # torch cannot measure CPU memory
-    check_table_last(out, names[-1], "hf sdpa")
+    check_table_last(out, training[-1].name, "hf sdpa")
 
 
 def test_tower_flops_counts_the_8b_tower() -> None:
