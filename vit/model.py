@@ -26,6 +26,7 @@ from torch import nn
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 
 from .config import VisionConfig
+from .graphs import TowerGraphs, check_budgets
 from .layers import (
     AllReduce,
     Product,
@@ -257,6 +258,8 @@ class TowerBase(nn.Module):
     for towers without them). ``parallel="weights"`` or ``"data"`` runs one tower over the processes of ``group``
     (default: the world), each rank calling it with the same batch and getting the whole batch's outputs; see
     :mod:`qvl.vit.parallel`. ``None``: a single-process tower.
+
+    :meth:`capture` prepares CUDA graphs of the device part for token budgets (:mod:`qvl.vit.graphs`).
     """
 
     config_class: type
@@ -265,6 +268,7 @@ class TowerBase(nn.Module):
         super().__init__()
         self.config = config
         self._compiled_forward = None
+        self._graphs: TowerGraphs | None = None
         self._parallel = make_parallel(parallel, config, group, caller=type(self).__name__)
         self.num_local_heads = self._parallel.local_widths().num_heads
 
@@ -357,31 +361,97 @@ class TowerBase(nn.Module):
         is used: each rank builds its own share's metadata)."""
         if self._parallel.mode == "data":
             return self.forward(pixel_values, meta.grid_thw)
-        return self._parallel.run(
-            pixel_values, meta.grid_thw, lambda pixels, _: self._encode_local(pixels, meta), self.device
-        )
 
-    def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
-        expected = (meta.num_tokens, self.config.patch_dim)
+        def encode_local(pixels, grid):
+            captured = self._encode_captured(pixels, grid)
+            return self._encode_local(pixels, meta) if captured is None else captured
+
+        return self._parallel.run(pixel_values, meta.grid_thw, encode_local, self.device)
+
+    def _check_pixels(self, pixel_values: torch.Tensor, num_tokens: int) -> None:
+        expected = (num_tokens, self.config.patch_dim)
         if tuple(pixel_values.shape) != expected:
             raise ValueError(
                 f"{type(self).__name__}: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}"
             )
+
+    def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
+        self._check_pixels(pixel_values, meta.num_tokens)
         if meta.num_tokens == 0:
             empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
             return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
-        args = (pixel_values.to(self.device), *self._device_inputs(meta))
+        return self._run_device(pixel_values.to(self.device), *self._device_inputs(meta))
+
+    def _run_device(self, pixel_values: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The device part on device tensors: compiled after :meth:`compile`, else eager."""
         if self._compiled_forward is None:
-            return self._device_forward(*args)
-        return call_compiled(self._compiled_forward, *args)
+            return self._device_forward(pixel_values, *inputs)
+        return call_compiled(self._compiled_forward, pixel_values, *inputs)
+
+    def _encode_captured(self, pixel_values: torch.Tensor, grid: np.ndarray):
+        """``(merged, deepstack)`` through the captured budgets (:meth:`capture`), or None where they do not
+        serve this batch (none captured, none fits, an empty batch, a forward autograd would record)."""
+        if self._graphs is None:
+            return None
+        self._check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
+        return self._graphs.encode(self, pixel_values, grid)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
         return self._parallel.run(pixel_values, grid_thw, self._encode_grid, self.device)
 
     def _encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self._encode_local(pixel_values, self.metadata(grid))
+        captured = self._encode_captured(pixel_values, grid)
+        return self._encode_local(pixel_values, self.metadata(grid)) if captured is None else captured
+
+    def capture(self, token_budgets: Sequence[int], max_segments: int | None = None):
+        """Prepare the device part for batches of up to each of ``token_budgets`` tokens, in place, and return the
+        tower itself (as :meth:`compile` does; call :meth:`compile` first to capture compiled code).
+
+        Afterwards, a batch (``forward`` / ``encode``) of T > 0 tokens in S frames is padded on the host to the
+        smallest budget B >= T whose segment slots hold its frames and pad frames (:mod:`qvl.vit.graphs`:
+        zero pixel values in extra frames that attend only to themselves, segment offsets extended to a fixed
+        length) and its outputs are cut back to the real merged tokens: the unpadded batch's features (up to the
+        rounding a GEMM's row count may change: BLAS libraries pick kernels by shape). On CUDA
+        each budget is one ``torch.cuda.CUDAGraph``, captured here (after two warm-up runs) on static buffers of
+        exactly B tokens and replayed with no device-to-host sync; the outputs are new tensors (the next replay
+        overwrites the graph's own). On other devices the padded batch runs through the normal forward, the
+        same padding without graphs (what the CPU tests exercise).
+
+        Batches larger than every budget, with more frames than the slots, empty ones, and forwards autograd would
+        record (grad mode on and pixel values or a parameter requiring grad: a replay records nothing) take the
+        normal path. Calling ``capture`` again replaces the budgets; moving or casting the tower afterwards makes
+        the next forward raise until ``capture`` runs again (the graphs read the old weights' memory).
+
+        Args:
+            token_budgets: ints >= 1, each a multiple of ``spatial_merge_size**2`` (the pad is whole merge
+                blocks); order and repeats do not matter.
+            max_segments: segment slots of every budget (real and pad frames together; capped at
+                ``budget // spatial_merge_size**2``). None (the default): that cap, which every batch of the
+                budget fits; fewer slots make the attention grid smaller and send batches of many frames to the
+                normal path.
+
+        ``parallel="data"``: each rank pads and replays its own share (the gather stays outside the graph).
+        ``parallel="weights"`` raises ValueError: the all-reduces inside the forward would have to be captured
+        and replayed in lockstep on every rank, which qvl does not do. Bad arguments raise TypeError /
+        ValueError naming them.
+        """
+        name = f"{type(self).__name__}.capture"
+        if self._parallel.mode == "weights":
+            raise ValueError(
+                f"{name}: parallel='weights' is not supported (its all-reduces would run inside the graphs); "
+                f"use parallel='data' or None"
+            )
+        budgets = check_budgets(token_budgets, self.config.spatial_merge_size, max_segments, caller=name)
+        self._graphs = None  # the old graphs' memory goes before the new ones are captured
+        self._graphs = TowerGraphs(self, budgets, max_segments)
+        return self
+
+    @property
+    def captured_budgets(self) -> tuple[int, ...]:
+        """The token budgets of :meth:`capture`, ascending (empty before it)."""
+        return () if self._graphs is None else self._graphs.budgets
 
     def compile(self, **compile_kwargs):
         """Compile the device part of the forward (not the host metadata) with the token dim dynamic, in
