@@ -1,27 +1,73 @@
 #!/usr/bin/env bash
-# One prepared call for a lent GPU machine (no network there, so nothing is installed: the repository's
-# kernels/ and vit/ are put on PYTHONPATH as the qvl package). Writes everything under $OUT (default
-# bench/results/run-<date>): the device and versions, the CUDA correctness tests (bf16 included), then every
-# benchmark's JSON and the printed tables. Usage: bash bench/device_check.sh [--full]   (default: --quick)
+# The one prepared call for a lent GPU machine: bash bench/device_check.sh [--full]   (default: --quick)
+#
+# Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
+# Phases, each under its own timeout so that one hang cannot spend the lease (about 8 minutes in all with --quick):
+#   1. device, driver, versions, commit                                                   device.txt
+#   2. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
+#      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory  gpu_tests.log
+#   3. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
+#   4. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 120); it writes
+#      kernels/attention_tiles.json, which the benchmarks after it then use                      tune.log, attention_tiles.json
+#   5. every benchmark, with plots (python -m bench)                                           *.json, *.png, bench.log
+# Everything goes to bench/results/run-<date>/. Under the device tool ($OUT set, which brings back at most 8 files)
+# that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-bench/results/run-$(date -u +%Y%m%d)}"
+stamp="run-$(date -u +%Y%m%d)"
+out="bench/results/$stamp"
 mkdir -p "$out"
 shim="$(mktemp -d)"
 mkdir -p "$shim/qvl" && ln -s "$PWD/kernels" "$shim/qvl/kernels" && ln -s "$PWD/vit" "$shim/qvl/vit"
 export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 quick=--quick
 [ "${1:-}" = "--full" ] && quick=
+started=$SECONDS
+phase() { echo "=== $1 (at $((SECONDS - started)) s)"; }
 
+phase device
 {
   date -u +"date: %Y-%m-%dT%H:%MZ"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
   git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/device.txt"
 
-# CUDA tests only: the CPU ones ran in CI. -k picks the GPU-marked, bf16 and peak-memory tests.
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/vit/test_model.py \
+phase "CUDA tests"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py \
   -k "gpu or cuda or bf16 or int64 or peak" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
-python3 -m bench $quick --dtype bf16 --json-dir "$out" 2>&1 | tee "$out/bench.log" | tail -80
+phase memcheck
+if command -v compute-sanitizer >/dev/null; then
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+import torch
+import qvl.kernels  # noqa: F401
+torch.manual_seed(0)
+lengths = [1, 100, 64, 0, 300]
+qkv = torch.randn(sum(lengths), 3, 4, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+q, k, v = qkv.unbind(1)
+cu = torch.tensor([0, 1, 101, 165, 165, 465], dtype=torch.int32, device="cuda")
+positions = torch.randint(0, 20, (sum(lengths), 2), dtype=torch.int32, device="cuda")
+out = torch.ops.qvl.vision_attn(q, k, v, cu, 300, positions=positions)
+out.float().square().sum().backward()
+torch.cuda.synchronize()
+print("memcheck case ran: vision_attn forward + backward with rope, bf16, D 72")
+EOF
+else
+  echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
+fi
+
+phase "tile sweep"
+timeout 300 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-120}" 2>&1 | tee "$out/tune.log" | tail -12
+cp kernels/attention_tiles.json "$out/attention_tiles.json"
+
+phase benchmarks
+timeout 240 python3 -m bench $quick --dtype bf16 --json-dir "$out" 2>&1 | tee "$out/bench.log" | tail -80
+phase done
+
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
+  cp "$out/device.txt" "$out/attention_tiles.json" "$OUT/"
+  for log in gpu_tests tune bench; do tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
+fi

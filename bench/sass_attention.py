@@ -14,8 +14,14 @@ instructions (spills paid on every key block), 2-byte scalar global loads (``LDG
 element by element) and asynchronous copies into shared memory (``LDGSTS``; ``UTMALDG`` for TMA).
 ``--layout offset`` shifts the qkv buffer by one element, the path for layouts whose rows are not all
 16-byte aligned. ``--max-seqlen 64`` compiles the launch of window attention instead (segments of 64 tokens
-with that ``max_seqlen`` hint, which selects the short-segment tiles). Numbers of the compiler, not timings:
-they guide tile and fusion choices until a device measures them.
+with that ``max_seqlen`` hint, which selects the short-segment tiles).
+
+Beyond the launch configuration ``vision_attn`` picks today: ``--descriptors`` compiles it with K and V loaded
+through TMA descriptors; ``--candidates`` compiles every tile candidate ``bench.tune_attention`` sweeps (without
+rope); ``--table`` compiles every sm_90 entry of the packaged tile table (what a device chose). Each row also
+gives the key loop's warp-instructions per 1,000 useful multiply-adds (q.k and p.v at the true head dim:
+``loop x warps x 1000 / (2 x BLOCK_M x BLOCK_N x D)``), which compares tiles of different sizes. Numbers of the
+compiler, not timings: they guide tile and fusion choices until a device measures them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ LAYOUTS = ("packed", "offset")
 COLUMNS = {
     "head_dim": "head_dim",
     "rope": "rope on q",
+    "tiles": "BLOCK_M x BLOCK_N / warps / stages",
+    "descriptors": "TMA loads",
     "registers": "registers",
     "stack_bytes": "stack B",
     "shared_bytes": "shared B",
@@ -53,6 +61,7 @@ COLUMNS = {
     "loop_ldg_u16": "LDG.E.U16 in loop",
     "loop_ldgsts": "LDGSTS in loop",
     "loop_utmaldg": "UTMALDG in loop",
+    "loop_per_kmac": "loop per 1k MACs",
 }
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?\b0x([0-9a-f]+)\s*$")
@@ -65,9 +74,11 @@ def stand_in_launches(
     dtype: torch.dtype = torch.bfloat16,
     target: GPUTarget = HOPPER,
     max_seqlen: int | None = None,
+    tiles: dict | None = None,
 ) -> list[KernelLaunch]:
     """The launches ``vision_attn`` makes for the tower's call (rotary for k with rope, then attention),
-    built on CPU tensors; with ``max_seqlen``, for windows of that many tokens given as the hint."""
+    built on CPU tensors; with ``max_seqlen``, for windows of that many tokens given as the hint; ``tiles``
+    overrides the launch configuration's (see :func:`qvl.kernels.attention.vision_attn_launches`)."""
     offset = LAYOUTS.index(layout)  # "offset": the buffer starts one element past a 16-byte boundary
     buffer = torch.empty(offset + NUM_TOKENS * 3 * NUM_HEADS * head_dim, dtype=dtype)
     q, k, v = buffer[offset:].view(NUM_TOKENS, 3, NUM_HEADS, head_dim).unbind(1)
@@ -77,7 +88,9 @@ def stand_in_launches(
     else:
         cu_seqlens = torch.tensor([*range(0, NUM_TOKENS, max_seqlen), NUM_TOKENS], dtype=torch.int32)
     positions = torch.zeros(NUM_TOKENS, 2, dtype=torch.int32) if rotate_q else None
-    return attention.vision_attn_launches(q, k, v, out, cu_seqlens, None, positions, 10000.0, target, max_seqlen)
+    return attention.vision_attn_launches(
+        q, k, v, out, cu_seqlens, None, positions, 10000.0, target, max_seqlen, None, tiles
+    )
 
 
 def key_loop(instructions: list[tuple[int, str]]) -> list[str]:
@@ -115,25 +128,71 @@ def inspect(compiled) -> dict:
     }
 
 
+def variants(args: argparse.Namespace) -> list[dict]:
+    """What to compile: ``{head_dim, rope, max_seqlen, dtype, tiles}`` per row, from the command line."""
+    if args.table:
+        found = []
+        for key, entry in attention.tile_table().items():
+            arch, dtype_name, head_dim, segments = key.split("/")
+            if arch != f"cuda:{HOPPER.arch}":
+                continue
+            tiles = {name: entry[name] for name in attention.TILE_KEYS}
+            max_seqlen = attention.SHORT_SEGMENT_MAX if segments == "short" else None
+            dtype = getattr(torch, dtype_name)
+            found += [dict(head_dim=int(head_dim[1:]), rope=rope, max_seqlen=max_seqlen, dtype=dtype, tiles=tiles)
+                      for rope in (False, True)]  # fmt: skip
+        return found
+    if args.candidates:
+        from .tune_attention import candidates
+
+        tiles_list = candidates(attention.segment_class(args.max_seqlen))
+        return [dict(head_dim=d, rope=False, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles)
+                for d in args.head_dim for tiles in tiles_list]  # fmt: skip
+    tiles = {"DESCRIPTORS": True} if args.descriptors else None
+    return [dict(head_dim=d, rope=rope, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles)
+            for d in args.head_dim for rope in (False, True)]  # fmt: skip
+
+
+def compile_row(variant: dict, layout: str) -> dict:
+    """One variant's row: its launch configuration and :func:`inspect`'s columns."""
+    launch = stand_in_launches(
+        variant["head_dim"], variant["rope"], layout, variant["dtype"], HOPPER, variant["max_seqlen"], variant["tiles"]
+    )[-1]
+    config = launch.kwargs
+    row = {
+        "head_dim": variant["head_dim"],
+        "rope": variant["rope"],
+        "dtype": str(variant["dtype"]).removeprefix("torch."),
+        "max_seqlen": variant["max_seqlen"],
+        "tiles": f"{config['BLOCK_M']}x{config['BLOCK_N']}/{config['num_warps']}/{config['num_stages']}",
+        "descriptors": config["DESCRIPTORS"],
+        **inspect(compile_launch(launch, HOPPER)),
+    }
+    useful_macs = 2 * config["BLOCK_M"] * config["BLOCK_N"] * variant["head_dim"]
+    row["loop_per_kmac"] = round(row["loop_instructions"] * config["num_warps"] * 1000 / useful_macs, 2)
+    return row
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 72, 80, 128])
     parser.add_argument("--layout", choices=LAYOUTS, default="packed")
     parser.add_argument("--max-seqlen", type=int, default=None, help="window length given as the tile hint")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--descriptors", action="store_true", help="K and V through TMA descriptors")
+    choice.add_argument("--candidates", action="store_true", help="every tile candidate of bench.tune_attention")
+    choice.add_argument("--table", action="store_true", help="every sm_90 entry of the packaged tile table")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
     args = parser.parse_args(argv)
     if not args.json:
         segments = "" if args.max_seqlen is None else f", windows of {args.max_seqlen} as max_seqlen"
-        print(f"Triton {triton.__version__}, sm_90, bf16, {args.layout} qkv (T={NUM_TOKENS}, H={NUM_HEADS}{segments})")
+        print(f"Triton {triton.__version__}, sm_90, {args.layout} qkv (T={NUM_TOKENS}, H={NUM_HEADS}{segments})")
         print("| " + " | ".join(COLUMNS.values()) + " |")
         print("|" + "---|" * len(COLUMNS))
-    for head_dim in args.head_dim:
-        for rotate_q in (False, True):
-            row = {"head_dim": head_dim, "rope": rotate_q}
-            attention_launch = stand_in_launches(head_dim, rotate_q, args.layout, max_seqlen=args.max_seqlen)[-1]
-            row.update(inspect(compile_launch(attention_launch, HOPPER)))
-            line = json.dumps(row) if args.json else "| " + " | ".join(str(row[key]) for key in COLUMNS) + " |"
-            print(line, flush=True)
+    for variant in variants(args):
+        row = compile_row(variant, args.layout)
+        line = json.dumps(row) if args.json else "| " + " | ".join(str(row[key]) for key in COLUMNS) + " |"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

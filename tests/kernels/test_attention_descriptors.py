@@ -15,7 +15,12 @@ from test_attention import assert_close_to_float64, cu_seqlens_of, packed_qkv
 from test_attention_layouts import CU_SEQLENS, odd_head_stride, offset_base, one_misaligned, packed, positions_for
 
 import qvl.kernels.attention as attention
-from qvl.kernels.common import ADA, HOPPER, INTERPRETER, run_launches
+from conftest import ON_GPU
+from qvl.kernels.common import ADA, HOPPER, INTERPRETER, run_launches, triton_interpreting
+
+# These launch kernels on CPU tensors for the interpreter's target: a GPU run (TRITON_INTERPRET=0) has the CUDA
+# test below instead.
+interpreter_only = pytest.mark.skipif(not triton_interpreting(), reason="runs kernels through the interpreter")
 
 
 @pytest.fixture
@@ -40,8 +45,8 @@ def descriptor_loads(monkeypatch):
 
 def run_attention(q, k, v, cu_seqlens, tiles, positions=None, target=INTERPRETER):
     """The attention output and log-sum-exp of one launch list with ``tiles`` overriding launch_config."""
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
     launches = attention.vision_attn_launches(
         q, k, v, out, cu_seqlens, None, positions, 10000.0, target, None, lse, tiles
     )
@@ -49,6 +54,7 @@ def run_attention(q, k, v, cu_seqlens, tiles, positions=None, target=INTERPRETER
     return out, lse, launches[-1].kwargs["DESCRIPTORS"]
 
 
+@interpreter_only
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_boundary_lengths(descriptor_loads, head_dim, dtype):
@@ -56,6 +62,7 @@ def test_boundary_lengths(descriptor_loads, head_dim, dtype):
     assert descriptor_loads and all(descriptor_loads)
 
 
+@interpreter_only
 @pytest.mark.parametrize("head_dim", [8, 24, 100, 136, 256])
 def test_unusual_head_dims(descriptor_loads, head_dim):
     """Heads narrower than the 16-wide main box (the box's columns past D read as zeros) and wider ones."""
@@ -63,6 +70,7 @@ def test_unusual_head_dims(descriptor_loads, head_dim):
     assert descriptor_loads and all(descriptor_loads)
 
 
+@interpreter_only
 @pytest.mark.parametrize(
     "head_dim, dtype, rope, block",
     [(72, torch.float16, True, (128, 64)), (80, torch.float32, False, (32, 16)), (64, torch.float16, False, (64, 128))],
@@ -81,6 +89,7 @@ def test_descriptors_change_no_bit(head_dim, dtype, rope, block):
     assert_close_to_float64(out, q, k, v, cu, positions=positions)
 
 
+@interpreter_only
 def test_bf16_packed_qkv_with_rope(bf16_dot_as_fp32):
     q, k, v = packed(72, torch.bfloat16, seed=12)
     positions = positions_for(True)
@@ -89,6 +98,7 @@ def test_bf16_packed_qkv_with_rope(bf16_dot_as_fp32):
     assert used and torch.equal(out, pointer_out)
 
 
+@interpreter_only
 @pytest.mark.parametrize("layout", [offset_base, odd_head_stride, one_misaligned])
 def test_layouts_tma_cannot_address_take_pointers(descriptor_loads, layout):
     """TMA needs 16-byte aligned bases and strides: other layouts load through pointers, correctly."""
@@ -96,6 +106,25 @@ def test_layouts_tma_cannot_address_take_pointers(descriptor_loads, layout):
     out = torch.ops.qvl.vision_attn(q, k, v, CU_SEQLENS)
     assert descriptor_loads == [False]
     assert_close_to_float64(out, q, k, v, CU_SEQLENS)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with TMA (sm_90+)")
+@pytest.mark.parametrize("hint", [None, 64], ids=["long", "windows"])
+def test_cuda_descriptor_loads_in_bf16(hint):
+    """On the device: descriptor loads give the pointer path's bits, within the float64 bound, with rope."""
+    from qvl.kernels.common import device_target
+
+    target = device_target(torch.device("cuda"))
+    if target.arch < 90:
+        pytest.skip(f"sm_{target.arch} has no TMA")
+    lengths = [1, 257, 1024, 33, 0, 64] if hint is None else [64] * 20 + [37]
+    q, k, v = packed_qkv(sum(lengths), 16, 72, torch.bfloat16, device="cuda")
+    cu = cu_seqlens_of(lengths, "cuda")
+    positions = torch.randint(0, 40, (sum(lengths), 2), dtype=torch.int32, device="cuda")
+    pointer_out, pointer_lse, _ = run_attention(q, k, v, cu, {"DESCRIPTORS": False}, positions, target)
+    out, lse, used = run_attention(q, k, v, cu, {"DESCRIPTORS": True}, positions, target)
+    assert used and torch.equal(out, pointer_out) and torch.equal(lse, pointer_lse)
+    assert_close_to_float64(out, q, k, v, cu, positions=positions, target=target, max_seqlen=hint)
 
 
 def test_targets_without_tma_take_pointers():

@@ -108,3 +108,28 @@ def test_window_attention_tiles_keep_the_key_loop_spill_free_and_asynchronous():
         assert row["loop_instructions"] > 0 and row["loop_local_memory"] == 0, row
         assert row["loop_ldg_u16"] == 0 and row["loop_ldgsts"] + row["loop_utmaldg"] > 0, row
     assert rows[0]["stack_bytes"] == 0, rows
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("hint", [[], ["--max-seqlen", "64"]], ids=["long", "windows"])
+def test_descriptor_loads_compile_to_tma_without_spills_in_the_key_loop(hint):
+    """K and V through TMA descriptors (the path a tile-table entry may choose on sm_90): the key loop fetches
+    them with UTMALDG, nothing element by element or through LDGSTS, and touches no local memory."""
+    rows = run_compiler("-m", "bench.sass_attention", "--head-dim", "72", "80", *hint, "--descriptors", "--json")
+    assert len(rows) == 4, rows
+    for row in rows:
+        assert row["descriptors"] and row["loop_instructions"] > 0, row
+        assert row["loop_utmaldg"] > 0 and row["loop_ldgsts"] == 0 and row["loop_ldg_u16"] == 0, row
+        assert row["loop_local_memory"] == 0, row
+
+
+@needs_cuobjdump
+def test_tile_table_entries_keep_the_key_loop_spill_free():
+    """Whatever a device run wrote into the tile table for sm_90 compiles without local memory in the key loop,
+    with and without rope on q (nothing to compile while the table is empty)."""
+    from qvl.kernels.attention import tile_table
+
+    entries = [key for key in tile_table() if key.startswith("cuda:90/")]
+    rows = run_compiler("-m", "bench.sass_attention", "--table", "--json")
+    assert len(rows) == 2 * len(entries), rows
+    assert all(row["loop_local_memory"] == 0 for row in rows), rows

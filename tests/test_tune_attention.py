@@ -1,0 +1,99 @@
+"""bench/tune_attention.py without a GPU: the sweep's candidates and order, the choice of the fastest correct
+candidate, the table it writes (which launch_config then reads), and one sweep through the interpreter with a
+stand-in timer. Nothing here measures speed."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import tune_attention as tune  # noqa: E402
+from qvl.kernels import attention  # noqa: E402
+from qvl.kernels.common import HOPPER  # noqa: E402
+
+
+def test_candidates_cover_the_sweep_and_include_the_heuristic():
+    long, short = tune.candidates("long"), tune.candidates("short")
+    assert len(long) == len({tuple(c.items()) for c in long}) == 54
+    assert len(short) == 12
+    assert all(c["BLOCK_M"] == 128 for c in long if c["num_warps"] == 8)
+    assert all(c["BLOCK_M"] == 64 and c["BLOCK_N"] <= 64 for c in short)
+    assert {c["DESCRIPTORS"] for c in long} == {False, True}
+    for head_dim in (64, 72, 80):
+        for hint, found in ((None, long), (64, short)):
+            heuristic = attention.launch_config(head_dim, torch.bfloat16, HOPPER, hint)
+            assert any(tune.is_default(c, heuristic) for c in found), (head_dim, hint)
+
+
+def test_cases_come_in_priority_order():
+    names = [case.name for case in tune.cases([64, 72, 80], [torch.bfloat16])]
+    assert names[:3] == ["D72 bfloat16 long", "D64 bfloat16 long", "D80 bfloat16 short"]
+    assert len(names) == 6
+    assert [c.name for c in tune.cases([96], [torch.float16])] == ["D96 float16 long", "D96 float16 short"]
+
+
+def test_the_fastest_candidate_that_ran_becomes_the_entry():
+    default = attention.launch_config(80, torch.bfloat16, HOPPER, 64)
+    short = tune.candidates("short")
+    heuristic = next(c for c in short if tune.is_default(c, default))
+    tiles = [short[0], short[1], heuristic, short[3]]
+    measured = [
+        {**t, "ms": ms, "max_rel_err": 0.0, "skipped": None if ms else "why"}
+        for t, ms in zip(tiles, (0.5, None, 0.3, 0.2), strict=True)
+    ]
+    entry = tune.table_entry(measured, default, flops=1e9)
+    assert {k: entry[k] for k in attention.TILE_KEYS} == {k: short[3][k] for k in attention.TILE_KEYS}
+    assert entry["ms"] == 0.2 and entry["heuristic_ms"] == 0.3
+    assert entry["tflops"] == pytest.approx(1e9 / 0.2e-3 / 1e12, abs=0.1)
+    assert tune.table_entry([{**r, "ms": None} for r in measured], default, flops=1e9) is None
+
+
+def test_merged_table_is_what_launch_config_reads(tmp_path, monkeypatch):
+    path = tmp_path / "tiles.json"
+    path.write_text(attention.TILE_TABLE_PATH.read_text())
+    entry = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DESCRIPTORS=True, ms=1.0, tflops=1.0)
+    key = attention.tile_key(HOPPER, 72, torch.bfloat16, None)
+    run = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-12-03"}
+    table = tune.merge_table(path, {key: entry}, run)
+    assert json.loads(path.read_text()) == table
+    assert table["tiles"][key]["run"] == len(table["runs"]) - 1 and table["runs"][-1] == run
+    monkeypatch.setattr(attention, "TILE_TABLE_PATH", path)
+    attention.tile_table.cache_clear()
+    try:
+        config = attention.launch_config(72, torch.bfloat16, HOPPER)
+    finally:
+        attention.tile_table.cache_clear()
+    assert {k: config[k] for k in attention.TILE_KEYS} == {k: entry[k] for k in attention.TILE_KEYS}
+
+
+def test_sweep_through_the_interpreter(monkeypatch):
+    """The sweep's own path on tiny segments: every candidate checked against the heuristic's output (and
+    agreeing), timed by the stand-in timer, one skipped by the compile step, the rest after the deadline."""
+    monkeypatch.setitem(tune.LAYOUTS, "long", (40, 9))
+    monkeypatch.setattr(tune, "NUM_HEADS", 1)
+    case = tune.Case(72, torch.float16, "long")
+    tiles_list = [c for c in tune.candidates("long") if c["num_stages"] == 2 and c["num_warps"] == 4][:4]
+    calls = []
+
+    def timer(call):
+        call()
+        calls.append(call)
+        return float(len(calls))
+
+    skip = [None, None, "shared memory 300000 B > 232448 B", None]
+    measured = tune.tune_case(case, tiles_list, torch.device("cpu"), timer, skip)
+    assert [r["ms"] for r in measured] == [1.0, 2.0, None, 3.0]
+    assert measured[2]["skipped"] == skip[2]
+    assert all(r["max_rel_err"] <= 4e-3 for r in measured if r["ms"] is not None)
+    late = tune.tune_case(case, tiles_list, torch.device("cpu"), timer, deadline=0.0)
+    assert all(r["skipped"] == "budget spent" for r in late)
+
+
+def test_dry_run_lists_the_sweep_without_a_gpu(capsys):
+    tune.main(["--dry-run", "--head-dims", "72"])
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["D72 bfloat16 long: 54 candidates, 3 segments", "D72 bfloat16 short: 12 candidates, 144 segments"]
