@@ -10,10 +10,7 @@ pixels (large garbage) give identical outputs, so the pad never reaches a real t
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -83,6 +80,7 @@ from towers import (  # noqa: E402
     hf_vision_model,
     hf_vision_model_of,
     pixel_values_for,
+    run_two_ranks,
     vision_outputs,
 )
 
@@ -298,12 +296,7 @@ def test_cuda_graph_replay_equals_eager_without_syncs():
 def test_data_mode_pads_each_ranks_share(tmp_path):
     """parallel="data" on two gloo ranks: each rank pads its own share (60 and 52 tokens) to the 64-token budget,
     and every rank gets the whole batch's features within rounding of transformers."""
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(__file__, tmp_path)
     hf = hf_vision_model_of(VisionTransformer(DATA_CONFIG).init_random_weights())
     pixels = torch.randn(TOKENS, DATA_CONFIG.patch_dim, generator=torch.Generator().manual_seed(7))
     truth, baseline = float64_vision_outputs(hf, pixels, GRID), vision_outputs(hf, pixels, GRID)

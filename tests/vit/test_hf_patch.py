@@ -1,11 +1,8 @@
 """qvl.vit.patch_model on tiny random transformers Qwen3-VL models (nothing downloaded)."""
 
 import copy
-import os
-import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +27,7 @@ from towers import (
     pixel_values_for,
     randomize,
     rotary_in_float64,
+    run_two_ranks,
 )
 
 GRID = [[1, 4, 6], [1, 2, 2]]
@@ -467,12 +465,7 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
     """`patch_model(model, parallel="data")` on two gloo ranks: every rank gets the unpatched model's
     features (images, a video split by frames, a batch that leaves one rank nothing) and logits."""
     # Each rank imports this file, and with it tests/tolerance.py, which pytest finds through the conftest.
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(__file__, tmp_path, timeout=240, TRITON_INTERPRET="0")
 
     def references(model):
         """The rank's results, from ``model`` itself: features and logits, and the mixed batch's hidden states."""

@@ -6,10 +6,7 @@ under torch.distributed.run is one rank), against transformers in float64 (nothi
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 from test_qwen2_towers import (
@@ -23,7 +20,7 @@ from test_qwen2_towers import (
 
 from qvl.kernels import force_backend
 from qvl.vit import Qwen2VisionConfig, Qwen2VisionTransformer, VisionTransformer, load_tower, patch_model, tower_from_hf
-from towers import pixel_values_for, randomize
+from towers import pixel_values_for, randomize, run_two_ranks
 
 # Batches for the ranks and the compiled tower: images with partial windows, a video (its frames split over the
 # ranks in data mode), one small image (the other rank gets nothing), the empty batch.
@@ -220,12 +217,7 @@ def test_compile_without_recompiles(name):
 def test_two_ranks_match_transformers(tmp_path):
     """Weights and data modes of both towers, and patch_model(parallel="data"), on two gloo ranks: every rank
     gets every feature within rounding of transformers (the float64 truth, transformers' fp32 as the yardstick)."""
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(__file__, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for name in FAMILIES:
         for case in CASES:

@@ -28,7 +28,7 @@ from qvl.kernels import force_backend
 from qvl.vit import VisionTransformer, patch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from tolerance import assert_error_within
-from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
+from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64, run_two_ranks
 
 
 def qwen3_vl(seed):
@@ -306,17 +306,8 @@ def _parallel_rank(out_dir: str) -> None:
 def test_parallel_backward_over_two_ranks(tmp_path):
     """Weights mode (each rank's shard of every split parameter, and the inputs' gradient) and data mode (the sum
     of the ranks' gradients) equal one process's gradients, within rounding, for images and a video."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(__file__, tmp_path)
     for rank in range(2):
         for key, (got, expected, truth) in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert sorted(got) == sorted(expected)
