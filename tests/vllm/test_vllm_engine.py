@@ -10,6 +10,9 @@ and each is made once per session and shared by the tests that read it. Which ru
   the torch path in vLLM's own multi-process layout (the plugin loads in spawned processes), and two ranks
   in vLLM's ``mm_encoder_tp_mode="weights"`` and ``"data"``.
 * ``QVL_VLLM=attention`` on Qwen3-VL, and Qwen2.5-VL (whose tower qvl does not take): the attention route.
+
+Under pytest-xdist (``--dist loadgroup``) the tests that share a run stay in one worker's cache: the tests that
+compare with the fp32 Qwen3-VL baseline in one group, the others in a second, which another worker can run.
 """
 
 import functools
@@ -63,6 +66,11 @@ def assert_same_tokens(result: dict, expected: dict, what: str) -> None:
         assert got == want, f"{what}, request {request} (image, two images, video): {got} != {want}"
 
 
+SHARES_FP32_BASELINE = pytest.mark.xdist_group("vllm-engine-qwen3-fp32")
+OWN_BASELINES = pytest.mark.xdist_group("vllm-engine-other")
+
+
+@SHARES_FP32_BASELINE
 def test_qwen3_vl_fp32_tower_route_through_the_interpreter(engine):
     baseline, result = engine("qwen3/fp32/vllm"), engine("qwen3/fp32/qvl")
     assert [worker["qvl"] for worker in baseline["worker_info"]] == [None], "VLLM_PLUGINS='' must not load qvl"
@@ -74,6 +82,7 @@ def test_qwen3_vl_fp32_tower_route_through_the_interpreter(engine):
     assert worker["qvl"]["towers"] == [{"model": "Qwen3VLForConditionalGeneration", "split": None, "compiled": False}]
 
 
+@SHARES_FP32_BASELINE
 def test_qwen3_vl_attention_route(engine):
     result = engine("qwen3/fp32/qvl-attention")
     assert_same_tokens(result, engine("qwen3/fp32/vllm"), "Qwen3-VL fp32, QVL_VLLM=attention")
@@ -82,6 +91,7 @@ def test_qwen3_vl_attention_route(engine):
     assert worker_counts["attention_fallback"] == 0
 
 
+@OWN_BASELINES
 def test_qwen3_vl_bf16_and_the_qvl_switch(engine):
     baseline, result = engine("qwen3/bf16/vllm"), engine("qwen3/bf16/qvl")
     (off,) = baseline["worker_info"]
@@ -92,6 +102,7 @@ def test_qwen3_vl_bf16_and_the_qvl_switch(engine):
     assert worker_counts["tower"] > 0
 
 
+@SHARES_FP32_BASELINE
 @pytest.mark.parametrize("mode", ["weights", "data"])
 def test_qwen3_vl_two_ranks(engine, mode):
     """Two ranks (gloo, one core each) in vLLM's encoder modes: the same tokens as one rank, with every
@@ -104,6 +115,7 @@ def test_qwen3_vl_two_ranks(engine, mode):
         assert [tower["split"] for tower in worker["qvl"]["towers"]] == [mode], worker["qvl"]["towers"]
 
 
+@OWN_BASELINES
 def test_qwen2_5_vl_attention_route(engine):
     """Qwen2.5-VL's window attention and full-attention blocks both call MMEncoderAttention with cu_seqlens."""
     baseline, result = engine("qwen2_5/fp32/vllm"), engine("qwen2_5/fp32/qvl")
