@@ -32,12 +32,13 @@ import triton  # noqa: E402
 from bench.sass_attention import stand_in_launches  # noqa: E402
 from qvl.kernels.attention import vision_attn_backward_launches, vision_attn_launches  # noqa: E402
 from qvl.kernels.common import ADA, HOPPER, compile_launch, shared_memory_per_block  # noqa: E402
-from qvl.kernels.gelu import bias_gelu_launches  # noqa: E402
-from qvl.kernels.layer_norm import layer_norm_launches  # noqa: E402
-from qvl.kernels.pos_embed import pos_embed_interp_launches  # noqa: E402
+from qvl.kernels.gelu import backward_launch_config as epilogue_backward_config  # noqa: E402
+from qvl.kernels.gelu import bias_gelu_backward_launches, bias_gelu_launches  # noqa: E402
+from qvl.kernels.layer_norm import layer_norm_launches, norm_backward_launches, norm_partials  # noqa: E402
+from qvl.kernels.pos_embed import pos_embed_interp_backward_launches, pos_embed_interp_launches  # noqa: E402
 from qvl.kernels.rms_norm import rms_norm_launches  # noqa: E402
 from qvl.kernels.rotary import rotary_launches  # noqa: E402
-from qvl.kernels.swiglu import bias_swiglu_launches  # noqa: E402
+from qvl.kernels.swiglu import bias_swiglu_backward_launches, bias_swiglu_launches  # noqa: E402
 
 BF16 = torch.bfloat16
 # Qwen3-VL 8B's vision tower: 16 heads of 72, hidden 1152, MLP 4304, merger input 4 * 1152.
@@ -112,6 +113,48 @@ def attention_backward(head_dim, rope=False, dtype=BF16, max_seqlen=None, target
     )
 
 
+def norm_backward(num_cols, num_params, add):
+    """LayerNorm's (``num_params`` 2) or RMSNorm's (1) backward: dx with the fp32 partial rows, their reduction."""
+    x, grad_y, grad_h, dx = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(4))
+    weight = torch.empty(num_cols, dtype=BF16)
+    param_grads = tuple(torch.empty(num_cols, dtype=BF16) for _ in range(num_params))
+    partials = norm_partials(x, num_params)
+    return norm_backward_launches(grad_y, x, weight, grad_h if add else None, dx, partials, param_grads, 1e-6, HOPPER)
+
+
+def epilogue_partials(num_rows, num_cols, count):
+    programs = epilogue_backward_config(num_rows, num_cols, HOPPER)["programs"]
+    return torch.empty(count, programs, num_cols)
+
+
+def bias_gelu_backward(num_cols, approximate):
+    x, grad_y, dx = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(3))
+    bias, dbias = torch.empty(2, num_cols, dtype=BF16)
+    partials = epilogue_partials(TOKENS, num_cols, 1)
+    return bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, HOPPER)
+
+
+def bias_swiglu_backward(num_cols):
+    gate_up = torch.empty(TOKENS, 2 * num_cols, dtype=BF16)
+    grad_y, d_gate, d_up = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(3))
+    gate_bias, up_bias, d_gate_bias, d_up_bias = torch.empty(4, num_cols, dtype=BF16)
+    partials = epilogue_partials(TOKENS, num_cols, 2)
+    return bias_swiglu_backward_launches(
+        grad_y, gate_up[:, :num_cols], gate_up[:, num_cols:], gate_bias, up_bias, d_gate, d_up, partials,
+        d_gate_bias, d_up_bias, HOPPER,
+    )  # fmt: skip
+
+
+def pos_embed_backward():
+    """The table gradient from the (token, tap) pairs sorted by table row."""
+    rows = 48 * 48
+    grad_out = torch.empty(TOKENS, HIDDEN, dtype=BF16)
+    order = torch.zeros(4 * TOKENS, dtype=torch.int64)
+    run_starts = torch.zeros(rows + 1, dtype=torch.int64)
+    grad_table = torch.empty(rows, HIDDEN, dtype=BF16)
+    return pos_embed_interp_backward_launches(grad_out, order, run_starts, torch.zeros(TOKENS, 4), grad_table, HOPPER)
+
+
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -160,6 +203,16 @@ VARIANTS = {
     "rms_norm bf16 C=1280": lambda: rms_norm(QWEN25_HIDDEN, False),
     "add_rms_norm bf16 C=1280": lambda: rms_norm(QWEN25_HIDDEN, True),
     "bias_swiglu bf16 F=3420 stacked": lambda: bias_swiglu_stacked(QWEN25_MLP),
+    # The other ops' backwards (attention's are above).
+    "layer_norm_backward bf16 C=1152": lambda: norm_backward(HIDDEN, 2, False),
+    "add_layer_norm_backward bf16 C=4608": lambda: norm_backward(MERGED, 2, True),
+    "rms_norm_backward bf16 C=1280": lambda: norm_backward(QWEN25_HIDDEN, 1, False),
+    "add_rms_norm_backward bf16 C=1280": lambda: norm_backward(QWEN25_HIDDEN, 1, True),
+    "bias_gelu_backward tanh bf16 F=4304": lambda: bias_gelu_backward(MLP, "tanh"),
+    "bias_gelu_backward bf16 F=4608": lambda: bias_gelu_backward(MERGED, "none"),
+    "bias_gelu_backward quick bf16 F=5120": lambda: bias_gelu_backward(QWEN2_MLP, "quick"),
+    "bias_swiglu_backward bf16 F=3420 stacked": lambda: bias_swiglu_backward(QWEN25_MLP),
+    "pos_embed_interp_backward bf16": pos_embed_backward,
 }
 
 

@@ -71,6 +71,19 @@ def test_attention_training_kernels_do_not_spill_in_16_bit(compiled_variants):
     assert not spilled, spilled
 
 
+@needs_cuobjdump
+def test_the_other_ops_backward_kernels_do_not_spill(compiled_variants):
+    """The norms', GELU's, SwiGLU's and the position table's backward kernels (and their partial-sum
+    reductions) keep everything in registers on sm_90 at the towers' widths."""
+    _, compiled = compiled_variants
+    checked = [line for line in compiled if "_backward " in line["name"] and not line["name"].startswith("vision_attn")]
+    assert {line["kernel"] for line in checked} >= {
+        "_norm_backward_kernel", "_bias_gelu_backward_kernel", "_bias_swiglu_backward_kernel",
+        "_pos_embed_interp_backward_kernel", "_sum_partials_kernel",
+    }  # fmt: skip
+    assert not [line for line in checked if line["stack"]], checked
+
+
 @pytest.fixture(scope="module")
 def head_dim_72_sass() -> dict[bool, dict]:
     """bench.sass_attention's rows for Qwen3-VL's D = 72 in bf16 on a packed qkv, keyed by rope on q."""
