@@ -412,6 +412,47 @@ def _attn_bwd_dkdv_q_block(
     return dk_main, dk_tail, dv_main, dv_tail
 
 
+@triton.jit
+def _bwd_input_strides(Q, K, V, DO, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                       stride_doh, STRIDES_ALIGNED: tl.constexpr):  # fmt: skip
+    """The backward's input strides, in the provably 16-byte aligned form when the host found them so."""
+    if STRIDES_ALIGNED:
+        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
+        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
+        stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
+        stride_dot, stride_doh = aligned_stride(stride_dot, DO), aligned_stride(stride_doh, DO)
+    return stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh
+
+
+@triton.jit
+def _bwd_input_bases(Q, K, V, DO, Lse, Delta, first, head_64, num_tokens, stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_dot, stride_doh):  # fmt: skip
+    """The backward's input pointers moved to the segment's first token (``first``, int64) of head ``head_64``:
+    64-bit scalar base offsets, so in-batch offsets can stay 32-bit (as in the forward)."""
+    return (
+        Q + first * stride_qt + head_64 * stride_qh,
+        K + first * stride_kt + head_64 * stride_kh,
+        V + first * stride_vt + head_64 * stride_vh,
+        DO + first * stride_dot + head_64 * stride_doh,
+        Lse + head_64 * num_tokens + first,
+        Delta + head_64 * num_tokens + first,
+    )
+
+
+@triton.jit
+def _load_row_pair(A, B, rows, stride_at, stride_bt, offs_dm, offs_dt, row_mask, HEAD_DIM: tl.constexpr,
+                   HAS_TAIL: tl.constexpr):  # fmt: skip
+    """The same rows of two tensors, zeros outside ``row_mask``: ``(a_main, b_main, a_tail, b_tail)``; without a
+    tail the tail names hold the main tiles again, unused (Triton binds names on both paths)."""
+    a_main = _load_rows(A, rows, stride_at, offs_dm, row_mask, HEAD_DIM, True)
+    b_main = _load_rows(B, rows, stride_bt, offs_dm, row_mask, HEAD_DIM, True)
+    a_tail, b_tail = a_main, b_main
+    if HAS_TAIL:
+        a_tail = _load_rows(A, rows, stride_at, offs_dt, row_mask, HEAD_DIM, True)
+        b_tail = _load_rows(B, rows, stride_bt, offs_dt, row_mask, HEAD_DIM, True)
+    return a_main, b_main, a_tail, b_tail
+
+
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
 def _attn_bwd_dkdv_kernel(
     # pointers; Lse and Delta are fp32, head h's tokens at h * T
@@ -432,11 +473,11 @@ def _attn_bwd_dkdv_kernel(
     program walks the query blocks of its segment."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh = _bwd_input_strides(
+        Q, K, V, DO, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        STRIDES_ALIGNED,
+    )  # fmt: skip
     if STRIDES_ALIGNED:
-        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
-        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
-        stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
-        stride_dot, stride_doh = aligned_stride(stride_dot, DO), aligned_stride(stride_doh, DO)
         stride_dkt, stride_dkh = aligned_stride(stride_dkt, DK), aligned_stride(stride_dkh, DK)
         stride_dvt, stride_dvh = aligned_stride(stride_dvt, DV), aligned_stride(stride_dvh, DV)
     seq_start, seqlen, n_start = _program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_N)
@@ -444,17 +485,14 @@ def _attn_bwd_dkdv_kernel(
     if n_start < seqlen:
         HAS_TAIL: tl.constexpr = D_TAIL > 0
         D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
-        # 64-bit scalar base offsets, 32-bit in-batch offsets unless T * stride can pass 2**31 (as forward).
         first = seq_start.to(tl.int64)
         head_64 = head.to(tl.int64)
-        Q += first * stride_qt + head_64 * stride_qh
-        K += first * stride_kt + head_64 * stride_kh
-        V += first * stride_vt + head_64 * stride_vh
-        DO += first * stride_dot + head_64 * stride_doh
+        Q, K, V, DO, Lse, Delta = _bwd_input_bases(
+            Q, K, V, DO, Lse, Delta, first, head_64, num_tokens,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        )  # fmt: skip
         DK += first * stride_dkt + head_64 * stride_dkh
         DV += first * stride_dvt + head_64 * stride_dvh
-        Lse += head_64 * num_tokens + first
-        Delta += head_64 * num_tokens + first
 
         offs_n = n_start + tl.arange(0, BLOCK_N)
         kv_mask = offs_n < seqlen
@@ -462,12 +500,9 @@ def _attn_bwd_dkdv_kernel(
         offs_dm = tl.arange(0, D_MAIN)
         offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
         # Keys past the segment load as zeros; their dK and dV rows are never stored.
-        k_main = _load_rows(K, kv_rows, stride_kt, offs_dm, kv_mask, HEAD_DIM, True)
-        v_main = _load_rows(V, kv_rows, stride_vt, offs_dm, kv_mask, HEAD_DIM, True)
-        k_tail, v_tail = k_main, v_main  # placeholders without a tail (Triton binds names on both paths)
-        if HAS_TAIL:
-            k_tail = _load_rows(K, kv_rows, stride_kt, offs_dt, kv_mask, HEAD_DIM, True)
-            v_tail = _load_rows(V, kv_rows, stride_vt, offs_dt, kv_mask, HEAD_DIM, True)
+        k_main, v_main, k_tail, v_tail = _load_row_pair(
+            K, V, kv_rows, stride_kt, stride_vt, offs_dm, offs_dt, kv_mask, HEAD_DIM, HAS_TAIL
+        )
         dk_main = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
         dv_main = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
         dk_tail = tl.zeros([BLOCK_N, D_TAIL_TILE], dtype=tl.float32)
@@ -547,11 +582,11 @@ def _attn_bwd_dq_kernel(
     walks the key blocks of its segment, as the forward does."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh = _bwd_input_strides(
+        Q, K, V, DO, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        STRIDES_ALIGNED,
+    )  # fmt: skip
     if STRIDES_ALIGNED:
-        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
-        stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
-        stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
-        stride_dot, stride_doh = aligned_stride(stride_dot, DO), aligned_stride(stride_doh, DO)
         stride_dqt, stride_dqh = aligned_stride(stride_dqt, DQ), aligned_stride(stride_dqh, DQ)
     seq_start, seqlen, m_start = _program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_M)
 
@@ -560,13 +595,11 @@ def _attn_bwd_dq_kernel(
         D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
         first = seq_start.to(tl.int64)
         head_64 = head.to(tl.int64)
-        Q += first * stride_qt + head_64 * stride_qh
-        K += first * stride_kt + head_64 * stride_kh
-        V += first * stride_vt + head_64 * stride_vh
-        DO += first * stride_dot + head_64 * stride_doh
+        Q, K, V, DO, Lse, Delta = _bwd_input_bases(
+            Q, K, V, DO, Lse, Delta, first, head_64, num_tokens,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        )  # fmt: skip
         DQ += first * stride_dqt + head_64 * stride_dqh
-        Lse += head_64 * num_tokens + first
-        Delta += head_64 * num_tokens + first
 
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
@@ -574,12 +607,9 @@ def _attn_bwd_dq_kernel(
         offs_dm = tl.arange(0, D_MAIN)
         offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
         # Rows past the segment load as zeros (lse 0 keeps their probabilities finite); never stored.
-        q_main = _load_rows(Q, q_rows, stride_qt, offs_dm, q_mask, HEAD_DIM, True)
-        do_main = _load_rows(DO, q_rows, stride_dot, offs_dm, q_mask, HEAD_DIM, True)
-        q_tail, do_tail = q_main, do_main  # placeholders without a tail
-        if HAS_TAIL:
-            q_tail = _load_rows(Q, q_rows, stride_qt, offs_dt, q_mask, HEAD_DIM, True)
-            do_tail = _load_rows(DO, q_rows, stride_dot, offs_dt, q_mask, HEAD_DIM, True)
+        q_main, do_main, q_tail, do_tail = _load_row_pair(
+            Q, DO, q_rows, stride_qt, stride_dot, offs_dm, offs_dt, q_mask, HEAD_DIM, HAS_TAIL
+        )
         lse2 = tl.load(Lse + offs_m, mask=q_mask, other=0.0) * LOG2E
         delta = tl.load(Delta + offs_m, mask=q_mask, other=0.0)
         dq_main = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
