@@ -6,10 +6,10 @@ rounding once on the store. A program holds whole rows (``BLOCK_C = next_pow2(C)
 variance come from one read of the row, with the variance taken over centered values (no
 ``E[x^2] - E[x]^2`` cancellation).
 
-The row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`),
-the argument checks (:func:`check_norm_args`) and the backward (:func:`norm_backward`: one kernel, its
-``CENTERED`` switch choosing LayerNorm's formulas or RMSNorm's) are shared with RMSNorm
-(:mod:`qvl.kernels.rms_norm`).
+RMSNorm (:mod:`qvl.kernels.rms_norm`) runs the same kernels: the forward (:func:`norm_launches`) and the
+backward (:func:`norm_backward`) each have a ``CENTERED`` switch choosing LayerNorm's formulas or RMSNorm's,
+and the row blocking (:func:`launch_config`), the row load with the fused residual add (:func:`load_norm_rows`)
+and the argument checks (:func:`check_norm_args`) are shared too.
 
 Backward (``torch.ops.qvl.layer_norm_backward``, registered as both ops' autograd formula): one kernel
 computes ``dx`` per row in fp32 and sums ``dweight``/``dbias`` over each program's rows into fp32 partial
@@ -56,6 +56,7 @@ __all__ = [
     "layer_norm_backward",
     "layer_norm_backward_reference",
     "layer_norm_launches",
+    "norm_launches",
     "layer_norm_reference",
 ]
 
@@ -68,7 +69,7 @@ MAX_NORM_DIM = 16384
 def load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA: tl.constexpr):
     """The ``(rows, offs_c)`` tile a norm normalizes, in fp32 (0 where ``mask`` is off): x's, or with
     ``HAS_DELTA`` the residual sum ``h = x + delta``, added in fp32, rounded to Sum's dtype and stored
-    into Sum. The norm kernels (LayerNorm here, RMSNorm in :mod:`qvl.kernels.rms_norm`) share it."""
+    into Sum."""
     x = tl.load(X + rows[:, None] * stride_xm + offs_c[None, :], mask=mask, other=0.0)
     if HAS_DELTA:
         delta = tl.load(Delta + rows[:, None] * stride_dm + offs_c[None, :], mask=mask, other=0.0)
@@ -80,8 +81,8 @@ def load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stri
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _layer_norm_kernel(
-    # pointers
+def _norm_kernel(
+    # pointers (Bias is read only when CENTERED)
     X,
     Delta,
     Sum,
@@ -102,24 +103,32 @@ def _layer_norm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    CENTERED: tl.constexpr,
 ):
+    """LayerNorm (``CENTERED``: mean and variance, ``* weight + bias``, one rounding) or transformers' RMSNorm
+    (root mean square, the normalized row rounded to Y's dtype, then ``weight *``) of a block of rows."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = rows < num_rows
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_cols
     mask = mask_m[:, None] & mask_c[None, :]
 
+    # Padding columns load as 0: they add nothing to the sums below.
     x = load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA)
-
-    mean = tl.sum(x, axis=1) / num_cols
-    # Padding columns would contribute mean^2 each to the variance: zero them.
-    centered = tl.where(mask_c[None, :], x - mean[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / num_cols
-    rstd = tl.rsqrt(var + eps)
-
     weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    bias = tl.load(Bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    y = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+    if CENTERED:
+        mean = tl.sum(x, axis=1) / num_cols
+        # Padding columns would contribute mean^2 each to the variance: zero them.
+        centered = tl.where(mask_c[None, :], x - mean[:, None], 0.0)
+        var = tl.sum(centered * centered, axis=1) / num_cols
+        rstd = tl.rsqrt(var + eps)
+        bias = tl.load(Bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        y = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
+        # transformers rounds the normalized row to the input dtype, then multiplies by the weight.
+        normed = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+        y = weight[None, :] * normed
     tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -204,9 +213,12 @@ def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_C=block_c, HAS_DELTA=has_delta, num_warps=num_warps, **FMA_CONTRACTION)
 
 
-def layer_norm_launches(x, delta, h, weight, bias, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
-    """The launch normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given) into
-    ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device sync)."""
+def norm_launches(
+    x, delta, h, params: tuple[torch.Tensor, ...], y, eps: float, target: GPUTarget
+) -> list[KernelLaunch]:
+    """The launch normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given) into ``y``
+    for checked arguments: LayerNorm when ``params`` is ``(weight, bias)``, RMSNorm when it is ``(weight,)``.
+    Empty when x has no rows. Reads shapes and strides only (no device sync)."""
     num_rows, num_cols = x.shape
     if num_rows == 0:
         return []
@@ -214,12 +226,17 @@ def layer_norm_launches(x, delta, h, weight, bias, y, eps: float, target: GPUTar
     config = launch_config(num_cols, has_delta, target)
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
     args = (
-        x, delta if has_delta else x, h if has_delta else x, weight, bias, y,
+        x, delta if has_delta else x, h if has_delta else x, params[0], params[-1], y,
         num_rows, num_cols,
         eps,
         x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
     )  # fmt: skip
-    return [KernelLaunch(_layer_norm_kernel, grid, args, config)]
+    return [KernelLaunch(_norm_kernel, grid, args, dict(config, CENTERED=len(params) == 2))]
+
+
+def layer_norm_launches(x, delta, h, weight, bias, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
+    """:func:`norm_launches` for LayerNorm."""
+    return norm_launches(x, delta, h, (weight, bias), y, eps, target)
 
 
 def backward_launch_config(num_rows: int, num_cols: int, has_delta: bool, target: GPUTarget) -> dict:

@@ -14,10 +14,10 @@ computes the mean square in fp32, rounds ``x * rstd`` to the dtype, multiplies b
 rounds the product on the store, which is exactly how eager torch evaluates ``weight * h`` for two tensors
 of one 16-bit dtype.
 
-The kernel is memory bound like LayerNorm's, and shares its family's parts in :mod:`qvl.kernels.layer_norm`:
-the row blocking (:func:`launch_config`: a program holds whole rows), the row load with the fused residual
-add (:func:`~qvl.kernels.layer_norm.load_norm_rows`), the argument checks and the backward kernel and its
-launch (:func:`~qvl.kernels.layer_norm.norm_backward`).
+The kernel is LayerNorm's, run without centering (:func:`~qvl.kernels.layer_norm.norm_launches` with the
+weight alone): memory bound, a program holding whole rows, the residual add fused into the row load; the
+argument checks and the backward kernel and its launch (:func:`~qvl.kernels.layer_norm.norm_backward`) are
+shared the same way.
 
 Backward (``torch.ops.qvl.rms_norm_backward``, both ops' autograd formula) as LayerNorm's: ``dx`` per row in
 fp32 in one kernel, ``dweight`` as per-program fp32 partial sums added in a fixed order afterwards
@@ -30,26 +30,16 @@ rounding as the identity, as autograd does with transformers' ``.to(x.dtype)``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from .common import KernelLaunch, backend_for, device_target, run_launches
-from .layer_norm import (
-    MAX_NORM_DIM,
-    check_norm_args,
-    check_norm_backward_args,
-    launch_config,
-    load_norm_rows,
-    norm_backward,
-)
+from .layer_norm import MAX_NORM_DIM, check_norm_args, check_norm_backward_args, norm_backward, norm_launches
 from .tiles import last_dim_contiguous
 
 __all__ = [
     "MAX_NORM_DIM",
     "add_rms_norm",
     "add_rms_norm_reference",
-    "launch_config",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_backward_reference",
@@ -58,62 +48,10 @@ __all__ = [
 ]
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _rms_norm_kernel(
-    # pointers
-    X,
-    Delta,
-    Sum,
-    Weight,
-    Y,
-    # sizes
-    num_rows,
-    num_cols,
-    # scalars
-    eps,
-    # strides (rows); the last dim is contiguous
-    stride_xm,
-    stride_dm,
-    stride_sm,
-    stride_ym,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mask_m = rows < num_rows
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < num_cols
-    mask = mask_m[:, None] & mask_c[None, :]
-
-    # Padding columns load as 0 and add nothing to the sum of squares.
-    x = load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stride_sm, HAS_DELTA)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
-    # transformers rounds the normalized row to the input dtype, then multiplies by the weight.
-    normed = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
-    weight = tl.load(Weight + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    y = weight[None, :] * normed
-    tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
 def rms_norm_launches(x, delta, h, weight, y, eps: float, target: GPUTarget) -> list[KernelLaunch]:
-    """The launch RMS-normalizing ``x`` (or ``h = x + delta``, stored into ``h``, when ``delta`` is given)
-    into ``y``, for checked arguments; empty when x has no rows. Reads shapes and strides only (no device
-    sync)."""
-    num_rows, num_cols = x.shape
-    if num_rows == 0:
-        return []
-    has_delta = delta is not None
-    config = launch_config(num_cols, has_delta, target)
-    grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
-    args = (
-        x, delta if has_delta else x, h if has_delta else x, weight, y,
-        num_rows, num_cols,
-        eps,
-        x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
-    )  # fmt: skip
-    return [KernelLaunch(_rms_norm_kernel, grid, args, config)]
+    """:func:`~qvl.kernels.layer_norm.norm_launches` for RMSNorm: the launch RMS-normalizing ``x`` (or ``h = x +
+    delta``, stored into ``h``, when ``delta`` is given) into ``y``."""
+    return norm_launches(x, delta, h, (weight,), y, eps, target)
 
 
 def _launch_rms_norm(x, delta, h, weight, y, eps: float) -> None:
