@@ -46,7 +46,7 @@ from .layers import (
     vision_mlp,
 )
 from .metadata import WindowMetadata, build_metadata, build_window_metadata, grid_as_numpy, to_device
-from .model import TowerBase
+from .model import TowerBase, _Attention
 from .parallel import LocalWidths
 
 __all__ = [
@@ -443,13 +443,6 @@ def _make_norm(width: int, config: Qwen2VisionConfig) -> nn.Module:
     return _RMSNorm(width, config.norm_eps) if config.windowed else nn.LayerNorm(width, eps=config.norm_eps)
 
 
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, local_width: int):
-        super().__init__()
-        self.qkv = nn.Linear(hidden, 3 * local_width)
-        self.proj = nn.Linear(local_width, hidden)
-
-
 class _SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -471,7 +464,8 @@ class _Block(nn.Module):
         hidden = config.hidden_size
         self.norm1 = _make_norm(hidden, config)
         self.norm2 = _make_norm(hidden, config)
-        self.attn = _Attention(hidden, widths.num_heads * config.head_dim)
+        local_width = widths.num_heads * config.head_dim
+        self.attn = _Attention(hidden, 3 * local_width, local_width)
         self.mlp = (_SwiGLU if config.windowed else _MLP)(hidden, widths.intermediate_size)
 
 
