@@ -232,18 +232,23 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
             records[name].note = f"{what} {overhead:+.1f}% vs qvl"
 
 
-def benchmark(config: RunConfig) -> Report:
-    device, dtype = config.device, config.dtype
-    report = Report("attention", device, dtype, "flops", BASELINES)
-    peers, report.skipped = available_peers(device, dtype)
+def run_cases(report: Report, peers: dict[str, Bind], config: RunConfig, run=run_case) -> Report:
+    """Every case of :func:`cases` through ``run`` (this module's :func:`run_case`, or the training benchmark's),
+    with the notes the peers that ran need; returns ``report``."""
     if "flash_attn" in peers:
         report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
     if "flex_attention" in peers:
         report.notes.append("flex_attention: head dim padded to a power of two; block mask built outside the timing")
-    for case in cases(device, config.quick):
-        print(f"attention: {case.name}", flush=True)
-        run_case(report, case, peers, device, dtype)
+    for case in cases(config.device, config.quick):
+        print(f"{report.bench}: {case.name}", flush=True)
+        run(report, case, peers, config.device, config.dtype)
     return report
+
+
+def benchmark(config: RunConfig) -> Report:
+    report = Report("attention", config.device, config.dtype, "flops", BASELINES)
+    peers, report.skipped = available_peers(config.device, config.dtype)
+    return run_cases(report, peers, config)
 
 
 def main(argv: Sequence[str] | None = None) -> Report:

@@ -89,16 +89,10 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
 
 
 def benchmark(config: RunConfig) -> Report:
-    device, dtype = config.device, config.dtype
-    report = Report("attention_backward", device, dtype, "flops", BASELINES)
-    peers, report.skipped = available_peers(device, dtype)
+    report = Report("attention_backward", config.device, config.dtype, "flops", BASELINES)
+    peers, report.skipped = available_peers(config.device, config.dtype)
     report.notes.append(f"useful work: {TRAINING_WORK}x the forward's 4*H*D*sum(S^2) (backward = 2.5x forward)")
-    if "flex_attention" in peers:
-        report.notes.append("flex_attention: head dim padded to a power of two; block mask built outside the timing")
-    for case in bench_attention.cases(device, config.quick):
-        print(f"attention_backward: {case.name}", flush=True)
-        run_case(report, case, peers, device, dtype)
-    return report
+    return bench_attention.run_cases(report, peers, config, run_case)
 
 
 def main(argv: Sequence[str] | None = None) -> Report:
