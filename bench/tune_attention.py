@@ -39,7 +39,7 @@ import torch
 from qvl.kernels import attention
 from qvl.kernels.common import device_target, run_launches
 
-from .harness import DTYPES, TOLERANCE, max_rel_err
+from .harness import DTYPES, TOLERANCE, attention_flops, max_rel_err
 
 NUM_HEADS = 16
 # One batch per segment-length class: long, an 8B tower's mixed request (a 4096-token image beside two of
@@ -121,12 +121,16 @@ def _compile(case: Case, tiles: dict, target) -> str | None:
     return None
 
 
-def precompile(case: Case, tiles_list: Sequence[dict], target, workers: int) -> list[str | None]:
-    """Compile every candidate in parallel processes (a launch then finds it in Triton's cache)."""
-    # Spawned, not forked: the parent has initialized CUDA, which a forked child may not touch.
+def compile_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """The worker processes :func:`precompile` uses, started once for the whole sweep (each imports torch and
+    Triton). Spawned, not forked: the parent has initialized CUDA, which a forked child may not touch."""
     spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-        return list(pool.map(_compile, itertools.repeat(case), tiles_list, itertools.repeat(target)))
+    return concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=spawn)
+
+
+def precompile(pool, case: Case, tiles_list: Sequence[dict], target) -> list[str | None]:
+    """Compile every candidate in ``pool``'s processes (a launch then finds it in Triton's cache)."""
+    return list(pool.map(_compile, itertools.repeat(case), tiles_list, itertools.repeat(target)))
 
 
 Timer = Callable[[Callable[[], None]], float]
@@ -239,25 +243,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         return triton.testing.do_bench(call, warmup=10, rep=30)
 
     entries = {}
-    for case in todo:
-        if time.monotonic() > deadline:
-            print(f"budget spent before {case.name}", flush=True)
-            break
-        tiles_list = candidates(case.segment_class)
-        skip = precompile(case, tiles_list, target, args.workers)
-        rows = tune_case(case, tiles_list, device, timer, skip, deadline)
-        default = attention.launch_config(case.head_dim, case.dtype, target, case.max_seqlen)
-        lengths = LAYOUTS[case.segment_class]
-        flops = 4.0 * NUM_HEADS * case.head_dim * sum(s * s for s in lengths)
-        for row in rows:
-            tag = " (heuristic)" if is_default(row, default) else ""
-            timing = f"{row['ms']:.4f} ms" if row["ms"] is not None else f"skipped: {row['skipped']}"
-            print(f"{case.name} {[row[k] for k in attention.TILE_KEYS]}{tag}: {timing}", flush=True)
-        entry = table_entry(rows, default, flops)
-        if entry is not None:
-            key = attention.tile_key(target, case.head_dim, case.dtype, case.max_seqlen)
-            entries[key] = entry
-            print(f"chosen for {key}: {entry}", flush=True)
+    with compile_pool(args.workers) as pool:
+        for case in todo:
+            if time.monotonic() > deadline:
+                print(f"budget spent before {case.name}", flush=True)
+                break
+            tiles_list = candidates(case.segment_class)
+            rows = tune_case(case, tiles_list, device, timer, precompile(pool, case, tiles_list, target), deadline)
+            default = attention.launch_config(case.head_dim, case.dtype, target, case.max_seqlen)
+            for row in rows:
+                tag = " (heuristic)" if is_default(row, default) else ""
+                timing = f"{row['ms']:.4f} ms" if row["ms"] is not None else f"skipped: {row['skipped']}"
+                print(f"{case.name} {[row[k] for k in attention.TILE_KEYS]}{tag}: {timing}", flush=True)
+            flops = attention_flops(NUM_HEADS, case.head_dim, LAYOUTS[case.segment_class])
+            entry = table_entry(rows, default, flops)
+            if entry is not None:
+                key = attention.tile_key(target, case.head_dim, case.dtype, case.max_seqlen)
+                entries[key] = entry
+                print(f"chosen for {key}: {entry}", flush=True)
     if entries:
         merge_table(args.table, entries, run_record())
         print(f"wrote {len(entries)} entries to {args.table}")

@@ -665,6 +665,14 @@ def tma_capable(target: GPUTarget) -> bool:
     return (target.backend == "cuda" and target.arch >= 90) or target.backend == "interpreter"
 
 
+def _head_dim_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """What every attention kernel's launch takes besides its tiles: the head-dim tiling
+    (:func:`head_dim_tiles`), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA option."""
+    main, tail = head_dim_tiles(head_dim)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return dict(HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION=precision, **FMA_CONTRACTION)
+
+
 def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
     """Everything the attention launch passes besides tensors, scalars and per-call flags (rope on q,
     64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining, whether K and V may load
@@ -701,10 +709,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
         tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
     else:
         tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
-    return dict(
-        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        **tiles, **FMA_CONTRACTION,
-    )  # fmt: skip
+    return {**_head_dim_config(head_dim, dtype), **tiles}
 
 
 def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | None = None) -> dict[str, dict]:
@@ -724,23 +729,19 @@ def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | 
     interpreter ignores warps, stages and options.
     """
     main, tail = head_dim_tiles(head_dim)
-    short = max_seqlen is not None and max_seqlen <= SHORT_SEGMENT_MAX
     if dtype == torch.float32:
         dkdv = dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
     elif main + tail > 128:
         dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    elif short:
+    elif segment_class(max_seqlen) == "short":
         dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
         dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     else:
         dkdv = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3)
         dq = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
-    common = dict(
-        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        **FMA_CONTRACTION,
-    )  # fmt: skip
+    common = _head_dim_config(head_dim, dtype)
     return {"dkdv": {**common, **dkdv}, "dq": {**common, **dq}}
 
 
