@@ -5,11 +5,11 @@ with PyAV) and videos given as folders of frame images, and writes the features 
 (layout in ``ENCODE_EPILOG``).
 
 Inputs are prepared by transformers' Qwen2-VL PIL image processor with the model family's settings (Qwen3-VL's,
-or Qwen2-VL's for Qwen2-VL and Qwen2.5-VL checkpoints: :class:`Family`), so the patches are exactly what that
-family's pipeline feeds the tower; the tower class comes from the checkpoint's config.json
-(:func:`qvl.vit.towers.tower_class`). The processor is built locally from the
-tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision, and so
-does transformers' video processor. Videos therefore go through the image processor frame by frame, and
+or Qwen2-VL's for Qwen2-VL and Qwen2.5-VL checkpoints: the family's :class:`~qvl.vit.processing.Processing`), so
+the patches are exactly what that family's pipeline feeds the tower; the family and the tower class come from the
+checkpoint's config.json (:mod:`qvl.vit.families`, :func:`qvl.vit.towers.tower_class_of`). The processor is built
+locally from the tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision,
+and so does transformers' video processor. Videos therefore go through the image processor frame by frame, and
 this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`). Video
 files are decoded with PyAV, as transformers' ``read_video_pyav`` does, and sampled as Qwen3-VL's video
 processor samples (:func:`sample_frame_indices`, or :func:`sample_frame_indices_qwen2` for the Qwen2 family);
@@ -38,35 +38,32 @@ from qvl.kernels import backend_for
 
 from .checkpoint import CheckpointError, read_config
 from .config import VisionConfig
+from .families import DEFAULT_FAMILY, Family, family_of_config
 from .model import VisionTransformer
-from .qwen2_tower import Qwen2VisionTransformer
-from .towers import tower_class
+from .processing import (
+    QWEN2_VL_MIN_PIXELS,
+    QWEN3_VL_MAX_FRAMES,
+    QWEN3_VL_MAX_PIXELS,
+    QWEN3_VL_MIN_FRAMES,
+    QWEN3_VL_MIN_PIXELS,
+    QWEN3_VL_PROCESSING,
+    QWEN3_VL_VIDEO_FPS,
+    Processing,
+    sample_frame_indices,
+)
+from .towers import tower_class_of
 
 __all__ = ["EMBEDDED_CONFIG", "build_parser", "main", "sample_frame_indices"]
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
 
-# Qwen3-VL's preprocessor_config.json bounds the resized image to [256*256, 4096*4096] pixels. 4096^2
-# pixels are 65536 patches per image, minutes of CPU time each, so the CLI defaults to a smaller cap.
-QWEN3_VL_MIN_PIXELS = 256 * 256
-QWEN3_VL_MAX_PIXELS = 4096 * 4096
+# 4096^2 pixels (Qwen3-VL's own cap) are 65536 patches per image, minutes of CPU time each, so the CLI defaults to a
+# smaller cap.
 DEFAULT_MAX_PIXELS = 512 * 512
-QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
-QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
 # Qwen's processors refuse images more elongated than this (smart_resize); checked up front instead.
 MAX_ASPECT_RATIO = 200
-# Qwen2-VL's and Qwen2.5-VL's image processor: OpenAI CLIP's mean and std, and its smallest image (56x56 pixels).
-QWEN2_VL_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-QWEN2_VL_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
-QWEN2_VL_MIN_PIXELS = 56 * 56
-# Qwen3-VL's video processor (Qwen2-VL's samples with the same defaults): frames sampled per second of video, and
-# bounds on the sampled count.
-QWEN3_VL_VIDEO_FPS = 2.0
-QWEN3_VL_MIN_FRAMES = 4
-QWEN3_VL_MAX_FRAMES = 768
-# transformers' fallback when a video stream states no frame rate.
-FALLBACK_VIDEO_FPS = 24.0
+
 # Positional inputs with these suffixes are video files; --video takes a file of any name.
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"})
 
@@ -175,76 +172,6 @@ def _check_image(path: Path) -> tuple[int, int]:
 def _check_aspect(path: Path, width: int, height: int) -> None:
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise CliError(f"{path}: {width}x{height} is more elongated than {MAX_ASPECT_RATIO}:1 (Qwen's limit)")
-
-
-def sample_frame_indices(
-    total_frames: int,
-    video_fps: float | None,
-    fps: float = QWEN3_VL_VIDEO_FPS,
-    max_frames: int = QWEN3_VL_MAX_FRAMES,
-    min_frames: int = QWEN3_VL_MIN_FRAMES,
-) -> list[int]:
-    """The frame numbers Qwen3-VL's video processor samples from a video of ``total_frames`` frames at
-    ``video_fps`` (transformers' ``Qwen3VLVideoProcessor.sample_frames`` with ``fps``).
-
-    ``int(total_frames / video_fps * fps)`` frames, at least ``min_frames`` and at most ``max_frames`` and
-    ``total_frames``, spread evenly from the first frame to the last. The count need not be a multiple of
-    the temporal patch size: the processor pads by repeating the last frame, as :func:`_video_patches` does.
-    """
-    import numpy as np
-
-    count = int(total_frames / (video_fps or FALLBACK_VIDEO_FPS) * fps)
-    count = min(max(count, min_frames), max_frames, total_frames)
-    return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
-
-
-def sample_frame_indices_qwen2(
-    total_frames: int,
-    video_fps: float | None,
-    fps: float = QWEN3_VL_VIDEO_FPS,
-    max_frames: int = QWEN3_VL_MAX_FRAMES,
-    min_frames: int = QWEN3_VL_MIN_FRAMES,
-    temporal_patch_size: int = 2,
-) -> list[int]:
-    """The frame numbers Qwen2-VL's video processor (Qwen2.5-VL's too) samples from a video of ``total_frames``
-    frames at ``video_fps`` (transformers' ``Qwen2VLVideoProcessor.sample_frames`` with ``fps``).
-
-    ``total_frames / video_fps * fps`` frames, at least ``min_frames``, at most ``max_frames`` and ``total_frames``
-    (both first rounded down to a multiple of ``temporal_patch_size``), then rounded down to a multiple of
-    ``temporal_patch_size``, at ``arange(0, total_frames, total_frames / count)`` truncated. A video shorter than
-    one temporal patch, where that count is 0 (transformers raises), keeps all its frames (the last one repeated
-    to fill the patch, as for frame folders).
-    """
-    limit = min(max_frames, total_frames) // temporal_patch_size * temporal_patch_size
-    count = min(max(total_frames / (video_fps or FALLBACK_VIDEO_FPS) * fps, min_frames), limit, total_frames)
-    count = int(count // temporal_patch_size) * temporal_patch_size
-    if count == 0:
-        return list(range(total_frames))
-    return torch.arange(0, total_frames, total_frames / count).int().tolist()
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """How a model family's processors prepare its inputs: image normalization, the smallest resized image, and
-    how video files are sampled (Qwen3-VL's any frame count, Qwen2-VL's whole temporal patches)."""
-
-    name: str
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    min_pixels: int
-    whole_temporal_patches: bool
-
-    def sample(self, total_frames: int, video_fps: float | None, fps: float, max_frames: int, config) -> list[int]:
-        if self.whole_temporal_patches:
-            return sample_frame_indices_qwen2(
-                total_frames, video_fps, fps, max_frames, temporal_patch_size=config.temporal_patch_size
-            )
-        return sample_frame_indices(total_frames, video_fps, fps, max_frames)
-
-
-QWEN3_VL = Family("Qwen3-VL", QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD, QWEN3_VL_MIN_PIXELS, False)
-QWEN2_VL = Family("Qwen2-VL", QWEN2_VL_IMAGE_MEAN, QWEN2_VL_IMAGE_STD, QWEN2_VL_MIN_PIXELS, True)
-_FAMILIES = {VisionTransformer: QWEN3_VL, Qwen2VisionTransformer: QWEN2_VL}
 
 
 def _import_av(path: Path):
@@ -391,9 +318,9 @@ def _video_patches(frame_patches: torch.Tensor, num_frames: int, config) -> tupl
 
 
 class _Preparer:
-    """Images and videos -> ``(pixel_values rows, [t, h, w])`` as ``family``'s processors make them."""
+    """Images and videos -> ``(pixel_values rows, [t, h, w])`` as a family's processors make them."""
 
-    def __init__(self, config, min_pixels: int, max_pixels: int, family: Family = QWEN3_VL):
+    def __init__(self, config, min_pixels: int, max_pixels: int, processing: Processing = QWEN3_VL_PROCESSING):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.config = config
@@ -401,8 +328,8 @@ class _Preparer:
             patch_size=config.patch_size,
             temporal_patch_size=config.temporal_patch_size,
             merge_size=config.spatial_merge_size,
-            image_mean=list(family.image_mean),
-            image_std=list(family.image_std),
+            image_mean=list(processing.image_mean),
+            image_std=list(processing.image_std),
             min_pixels=min_pixels,
             max_pixels=max_pixels,
         )
@@ -582,16 +509,16 @@ def _model_kind(model: str | None) -> tuple[type, object, Family]:
     """The tower class, config and family of ``--model`` (from its config.json alone, so that inputs are checked
     and sampled before any weight is read), or of the embedded default."""
     if model is None:
-        return VisionTransformer, EMBEDDED_CONFIG, QWEN3_VL
+        return VisionTransformer, EMBEDDED_CONFIG, DEFAULT_FAMILY
     try:
         values = read_config(model)
-        kind = tower_class(values)
-        config = kind.config_class.from_dict(values)
+        family = family_of_config(values)
+        kind, config = tower_class_of(family), family.read_config(values)
     except CheckpointError as error:
         raise CliError(str(error)) from None
     except (ValueError, TypeError) as error:
         raise CliError(f"{model}: {error}") from None
-    return kind, config, _FAMILIES[kind]
+    return kind, config, family
 
 
 def _load_tower(
@@ -701,7 +628,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
     kind, model_config, family = _model_kind(args.model)
 
     def sample(total_frames, video_fps, fps, max_frames):
-        return family.sample(total_frames, video_fps, fps, max_frames, model_config)
+        return family.processing.sample(total_frames, video_fps, fps, max_frames, model_config)
 
     inputs = _collect_inputs(args.images, args.video, args.fps, args.max_frames, sample)
 
@@ -718,8 +645,9 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
     if args.compile:
         tower.compile()
     # The family's smallest image, unless --max-pixels is set below it.
-    min_pixels = args.min_pixels if args.min_pixels is not None else min(family.min_pixels, args.max_pixels)
-    prepare = _Preparer(config, min_pixels, args.max_pixels, family)
+    processing = family.processing
+    min_pixels = args.min_pixels if args.min_pixels is not None else min(processing.min_pixels, args.max_pixels)
+    prepare = _Preparer(config, min_pixels, args.max_pixels, processing)
 
     tensors: dict[str, torch.Tensor] = {}
     grids: list[list[int]] = []

@@ -6,20 +6,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-__all__ = ["QWEN3_FULL_MODEL_TYPES", "QWEN3_VISION_MODEL_TYPES", "TowerConfig", "TowerShape", "VisionConfig"]
+from qvl.kernels.attention import MAX_HEAD_DIM
 
-# config.model_type of the models whose vision tower is Qwen3-VL's (VisionConfig's): full (or Qwen3-Omni's thinker)
-# and vision models.
-QWEN3_FULL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker")
-QWEN3_VISION_MODEL_TYPES = (
-    "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder",
-)  # fmt: skip
+__all__ = ["GELU_APPROXIMATIONS", "Qwen2VisionConfig", "TowerConfig", "TowerShape", "VisionConfig", "check_gelu"]
+
+# The GELUs transformers' configs name for a vision MLP (``hidden_act``, keys of its ACT2FN) -> the approximation
+# bias_gelu computes them with: erf, the tanh formula (gelu_new, gelu_fast and gelu_pytorch_tanh are the same
+# function), or QuickGELU's x * sigmoid(1.702 x).
+GELU_APPROXIMATIONS = {
+    "gelu": "none",
+    "gelu_python": "none",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_new": "tanh",
+    "gelu_fast": "tanh",
+    "quick_gelu": "quick",
+}
+
+
+def check_gelu(caller: str, hidden_act: str) -> None:
+    """Raise ValueError naming the supported activations unless ``hidden_act`` is one qvl's bias_gelu computes."""
+    if hidden_act not in GELU_APPROXIMATIONS:
+        raise ValueError(
+            f"{caller}: the vision MLP's activation (hidden_act) must be one of {sorted(GELU_APPROXIMATIONS)}, which"
+            f" qvl's fused bias+GELU op computes; got {hidden_act!r}"
+        )
 
 
 class TowerConfig(Protocol):
-    """What a strategy reads of a tower's config (:class:`~qvl.vit.config.VisionConfig`, or
-    :class:`~qvl.vit.qwen2_tower.Qwen2VisionConfig`): the widths it splits, the batch layout it checks and the
-    FLOP counts it balances by."""
+    """What code serving every tower kind reads of a tower's config (:class:`VisionConfig` or
+    :class:`Qwen2VisionConfig`): the widths a parallel strategy splits, the batch layout it checks and the FLOP
+    counts it balances by, and what the tower runner (:mod:`qvl.vit.runner`) builds metadata and runs blocks
+    from."""
 
     num_heads: int
     intermediate_size: int
@@ -28,6 +45,13 @@ class TowerConfig(Protocol):
     patch_dim: int
     linear_flops_per_token: int
     flops_per_token_pair: int
+    head_dim: int
+    rope_theta: float
+    deepstack_visual_indexes: tuple[int, ...]
+    num_grid_per_side: int | None
+    windowed: bool
+    full_attention_blocks: tuple[int, ...]
+    mlp_activation: str
 
 
 class TowerShape:
@@ -76,8 +100,7 @@ class VisionConfig(TowerShape):
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
             raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
-        if self.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"VisionConfig: hidden_act must be 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        check_gelu("VisionConfig", self.hidden_act)
         if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
             raise ValueError(f"VisionConfig: deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth")
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
@@ -85,6 +108,20 @@ class VisionConfig(TowerShape):
     @property
     def num_grid_per_side(self) -> int:
         return int(round(self.num_position_embeddings**0.5))
+
+    @property
+    def windowed(self) -> bool:
+        """False: every block attends over whole frames (what code serving every tower kind reads)."""
+        return False
+
+    @property
+    def full_attention_blocks(self) -> tuple[int, ...]:
+        return tuple(range(self.depth))
+
+    @property
+    def mlp_activation(self) -> str:
+        """The blocks' MLP activation as bias_gelu names it (``"tanh"`` for Qwen3-VL's ``gelu_pytorch_tanh``)."""
+        return GELU_APPROXIMATIONS[self.hidden_act]
 
     @property
     def linear_flops_per_token(self) -> int:
@@ -102,42 +139,169 @@ class VisionConfig(TowerShape):
         return self.depth * 4 * self.hidden_size
 
     @classmethod
-    def from_hf(cls, config: object) -> VisionConfig:
-        """From a transformers ``Qwen3VLVisionConfig`` (or the MoE variant's, Qwen3.5's, which has no deepstack
-        mergers, or a full model config)."""
-        config = getattr(config, "vision_config", config)
-        rope = getattr(config, "rope_parameters", None) or {}
-        return cls(
-            depth=config.depth,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            intermediate_size=config.intermediate_size,
-            out_hidden_size=config.out_hidden_size,
-            deepstack_visual_indexes=tuple(getattr(config, "deepstack_visual_indexes", ())),
-            patch_size=config.patch_size,
-            temporal_patch_size=config.temporal_patch_size,
-            spatial_merge_size=config.spatial_merge_size,
-            in_channels=config.in_channels,
-            num_position_embeddings=config.num_position_embeddings,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            hidden_act=config.hidden_act,
-        )
-
-    @classmethod
-    def from_dict(cls, values: dict) -> VisionConfig:
-        """From a config.json dict: a full model's config (its ``vision_config``, or Qwen3-Omni's
-        ``thinker_config.vision_config``) or a vision config. Qwen3.5's towers (``model_type`` ``qwen3_5...``)
-        have no deepstack mergers; other configs without ``deepstack_visual_indexes`` get Qwen3-VL's default."""
-        values = values.get("thinker_config", values)
-        model_type = values.get("model_type", "")
-        values = values.get("vision_config", values)
-        rope = values.get("rope_parameters") or {}
+    def from_dict(cls, values: dict, *, deepstack: bool = True) -> VisionConfig:
+        """From a vision config's fields under transformers' names (a config.json's ``vision_config`` section, or
+        a transformers vision config's ``to_dict()``); fields it does not know are ignored. ``deepstack=False``:
+        a family without deepstack mergers (Qwen3.5), whose configs may omit ``deepstack_visual_indexes``; with
+        it, a config that omits them gets Qwen3-VL's default. Which family a config belongs to is
+        :mod:`qvl.vit.families`' business."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in values.items() if k in fields}
         if "deepstack_visual_indexes" in kwargs:
             kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
-        elif (values.get("model_type") or model_type).startswith("qwen3_5"):
+        elif not deepstack:
             kwargs["deepstack_visual_indexes"] = ()
+        rope = values.get("rope_parameters") or {}
         if "rope_theta" in rope:
             kwargs["rope_theta"] = float(rope["rope_theta"])
         return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2VisionConfig(TowerShape):
+    """The shape of a Qwen2.5-VL (``windowed=True``) or Qwen2-VL vision tower (defaults: Qwen2.5-VL-7B's).
+
+    Attributes:
+        windowed: Qwen2.5-VL (window attention, RMSNorm, SwiGLU MLP); False: Qwen2-VL (full attention,
+            LayerNorm, ``fc1``/``fc2`` MLP with ``hidden_act``).
+        depth, hidden_size, num_heads, intermediate_size: the blocks (Qwen2-VL's ``embed_dim`` is
+            ``hidden_size`` here and its ``embed_dim * mlp_ratio`` is ``intermediate_size``).
+        out_hidden_size: the merger's output width (Qwen2-VL's config calls it ``hidden_size``).
+        patch_size, temporal_patch_size, spatial_merge_size, in_channels: the patches.
+        window_size: Qwen2.5-VL's window side in pixels; fullatt_block_indexes: its blocks that attend over
+            whole frames (the others within windows; indexes past ``depth`` are accepted and never reached, as in
+            transformers). Unused by Qwen2-VL.
+        hidden_act: ``"silu"`` (Qwen2.5-VL's SwiGLU) or a GELU of :data:`GELU_APPROXIMATIONS` (Qwen2-VL:
+            ``"quick_gelu"`` in the released models).
+        rope_theta: the 2D rotary's base. norm_eps: every norm's epsilon (transformers fixes it at 1e-6).
+    """
+
+    windowed: bool = True
+    depth: int = 32
+    hidden_size: int = 1280
+    num_heads: int = 16
+    intermediate_size: int = 3420
+    out_hidden_size: int = 3584
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
+        head_dim, remainder = divmod(self.hidden_size, self.num_heads)
+        if remainder or head_dim % 4 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name}: hidden_size {self.hidden_size} over num_heads {self.num_heads} must give a head_dim that"
+                f" is a multiple of 4 and at most {MAX_HEAD_DIM}"
+            )
+        if self.windowed and self.hidden_act != "silu":
+            raise ValueError(f"{name}: Qwen2.5-VL's vision MLP must use 'silu' (bias_swiglu), got {self.hidden_act!r}")
+        if not self.windowed:
+            check_gelu(name, self.hidden_act)
+        if self.windowed and self.window_size < self.spatial_merge_size * self.patch_size:
+            raise ValueError(
+                f"{name}: window_size {self.window_size} must be at least spatial_merge_size * patch_size"
+                f" = {self.spatial_merge_size * self.patch_size}"
+            )
+
+    @property
+    def deepstack_visual_indexes(self) -> tuple[int, ...]:
+        """Always empty: these towers have no deepstack mergers (what code serving every tower kind reads)."""
+        return ()
+
+    @property
+    def num_grid_per_side(self) -> None:
+        """None: these towers have no learned position table."""
+        return None
+
+    @property
+    def mlp_activation(self) -> str:
+        """``"swiglu"`` (Qwen2.5-VL), else the GELU as bias_gelu names it."""
+        return "swiglu" if self.windowed else GELU_APPROXIMATIONS[self.hidden_act]
+
+    @property
+    def full_attention_blocks(self) -> tuple[int, ...]:
+        """The blocks that attend over whole frames: every block of Qwen2-VL; Qwen2.5-VL's
+        ``fullatt_block_indexes`` below ``depth`` (transformers never reaches the others, and neither does qvl)."""
+        if not self.windowed:
+            return tuple(range(self.depth))
+        return tuple(i for i in self.fullatt_block_indexes if 0 <= i < self.depth)
+
+    @property
+    def window_tokens(self) -> int:
+        """The most tokens a window holds (64 for Qwen2.5-VL's 112-px windows of 14-px patches): the windowed
+        blocks' ``max_seqlen`` tile hint, exact for every batch without reading the batch."""
+        side = self.window_size // self.spatial_merge_size // self.patch_size * self.spatial_merge_size
+        return side * side
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs per token that do not depend on the segment's length (:class:`~qvl.vit.balance.SegmentCost`):
+        patch embed, qkv / proj / MLP of every block, the merger, and the windowed blocks' attention (at most
+        ``window_tokens`` keys per query)."""
+        hidden = self.hidden_size
+        mlp = (3 if self.windowed else 2) * self.intermediate_size
+        windowed_blocks = self.depth - len(self.full_attention_blocks)
+        return (
+            2 * self.patch_dim * hidden
+            + self.depth * 2 * hidden * (4 * hidden + mlp)
+            + windowed_blocks * 4 * hidden * self.window_tokens
+            + 2 * hidden * (self.merged_width + self.out_hidden_size)
+        )
+
+    @property
+    def flops_per_token_pair(self) -> int:
+        """Forward FLOPs per pair of tokens in one segment (frame): the full-attention blocks' ``q k^T`` and
+        ``p v``."""
+        return len(self.full_attention_blocks) * 4 * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, values: dict, *, windowed: bool) -> Qwen2VisionConfig:
+        """From a vision config's fields under transformers' names (a config.json's ``vision_config`` section or a
+        transformers vision config's ``to_dict()``, released checkpoints' spellings too): Qwen2.5-VL's
+        (``windowed=True``) or Qwen2-VL's (``embed_dim``, ``mlp_ratio``, the merger width as ``hidden_size``).
+        Which family a config belongs to is :mod:`qvl.vit.families`' business. Raises ValueError for one qvl
+        cannot run (rotary other than axial, a head_dim that is not a multiple of 4 or over the kernel's limit, an
+        MLP activation qvl has no kernel for)."""
+        rope = dict(values.get("rope_parameters") or {})
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"{cls.__name__}: only the axial vision rotary is supported, got {rope['rope_type']!r}")
+        defaults = cls()
+        if windowed:
+            shape = {
+                "hidden_size": values.get("hidden_size", defaults.hidden_size),
+                "intermediate_size": values.get("intermediate_size", defaults.intermediate_size),
+                "out_hidden_size": values.get("out_hidden_size", defaults.out_hidden_size),
+                "window_size": values.get("window_size", defaults.window_size),
+                "fullatt_block_indexes": tuple(values.get("fullatt_block_indexes", defaults.fullatt_block_indexes)),
+                "hidden_act": values.get("hidden_act", "silu"),
+            }
+        else:
+            embed_dim = values.get("embed_dim", 1280)
+            shape = {
+                "hidden_size": embed_dim,
+                "intermediate_size": int(embed_dim * values.get("mlp_ratio", 4)),
+                "out_hidden_size": values.get("hidden_size", defaults.out_hidden_size),
+                "fullatt_block_indexes": (),
+                "hidden_act": values.get("hidden_act", "quick_gelu"),
+            }
+        # Released checkpoints spell the channel count "in_chans".
+        in_channels = values.get("in_channels", values.get("in_chans", defaults.in_channels))
+        return cls(
+            windowed=windowed,
+            depth=values.get("depth", defaults.depth),
+            num_heads=values.get("num_heads", defaults.num_heads),
+            patch_size=values.get("patch_size", defaults.patch_size),
+            temporal_patch_size=values.get("temporal_patch_size", defaults.temporal_patch_size),
+            spatial_merge_size=values.get("spatial_merge_size", defaults.spatial_merge_size),
+            in_channels=in_channels,
+            rope_theta=float(rope.get("rope_theta", defaults.rope_theta)),
+            **shape,
+        )

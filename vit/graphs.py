@@ -32,6 +32,7 @@ import torch
 
 from .layers import needs_grad
 from .metadata import check_grid, grid_as_numpy
+from .runner import DeviceInputs
 
 __all__ = ["PAD_FRAME_UNITS", "PaddedBatch", "TowerGraphs", "check_budgets", "pad_batch", "pad_grid", "pad_pixels"]
 
@@ -156,8 +157,8 @@ def pad_batch(tower, grid_thw, budget: int, max_segments: int | None = None) -> 
             ``budget`` tokens can have, ``budget // spatial_merge_size**2``.
 
     Returns a :class:`PaddedBatch`, or None when the batch does not fit. Pair it with :func:`pad_pixels`; the
-    tower's device forward on both (``tower._device_forward(pixels, *tower._device_inputs(batch.meta))``) gives
-    the unpadded batch's outputs in its first ``num_merged_tokens`` rows.
+    tower's device forward on both (``tower._run_device(pixels, DeviceInputs.of(batch.meta))``) gives the
+    unpadded batch's outputs in its first ``num_merged_tokens`` rows.
     """
     merge = tower.config.spatial_merge_size
     budget = _check_budget("pad_batch", "budget", budget, merge)
@@ -171,7 +172,7 @@ def pad_batch(tower, grid_thw, budget: int, max_segments: int | None = None) -> 
         return None
     meta = tower.metadata(padded)
     meta = dataclasses.replace(meta, cu_seqlens=_pad_offsets(meta.cu_seqlens, slots + 1))
-    window = getattr(meta, "window", None)
+    window = meta.window
     if window is not None:
         offsets = _pad_offsets(window.cu_window_seqlens, budget // merge**2 + 1)
         meta = dataclasses.replace(meta, window=dataclasses.replace(window, cu_window_seqlens=offsets))
@@ -194,7 +195,7 @@ class _Graph:
 
     graph: torch.cuda.CUDAGraph
     pixels: torch.Tensor
-    inputs: tuple[torch.Tensor, ...]
+    inputs: DeviceInputs
     outputs: tuple[torch.Tensor, list[torch.Tensor]]
 
 
@@ -221,18 +222,19 @@ class TowerGraphs:
 
     def _capture(self, tower, budget: int, pixels: torch.Tensor, pool) -> _Graph:
         batch = pad_batch(tower, np.zeros((0, 3), dtype=np.int64), budget, self.max_segments)
-        inputs = tuple(tower._device_inputs(batch.meta))
+        # No tile hint: the graph replays batches whose segments may be longer than the capture batch's.
+        inputs = DeviceInputs.of(batch.meta, hint=False)
         # Warm-up on a side stream, as torch.cuda.graph asks: lazy initialization and compilation stay out of the
         # capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(_WARMUP_RUNS):
-                tower._run_device(pixels, *inputs)
+                tower._run_device(pixels, inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            outputs = tower._run_device(pixels, *inputs)
+            outputs = tower._run_device(pixels, inputs)
         return _Graph(graph, pixels, inputs, outputs)
 
     def encode(self, tower, pixel_values: torch.Tensor, grid: np.ndarray):
@@ -260,14 +262,15 @@ class TowerGraphs:
         entry = self._graphs.get(batch.budget)
         if entry is None:
             padded = pad_pixels(pixel_values.to(self.device), batch.budget)
-            return batch.real_outputs(*tower._run_device(padded, *tower._device_inputs(batch.meta)))
+            return batch.real_outputs(*tower._run_device(padded, DeviceInputs.of(batch.meta)))
         source = pixel_values
         if source.device.type == "cpu":
             source = source.to(self.dtype).pin_memory()
         entry.pixels[: batch.num_tokens].copy_(source, non_blocking=True)
         entry.pixels[batch.num_tokens :].zero_()
-        for static, fresh in zip(entry.inputs, tower._device_inputs(batch.meta)):
-            static.copy_(fresh, non_blocking=True)
+        for static, fresh in zip(entry.inputs, DeviceInputs.of(batch.meta, hint=False)):
+            if isinstance(static, torch.Tensor):
+                static.copy_(fresh, non_blocking=True)
         entry.graph.replay()
         merged, deepstack = batch.real_outputs(*entry.outputs)
         return merged.clone(), [features.clone() for features in deepstack]

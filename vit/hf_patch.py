@@ -1,8 +1,8 @@
 """``qvl.vit.patch_model(model)``: run a transformers Qwen3-VL (or Qwen2.5-VL, Qwen2-VL) model's vision tower on
 qvl kernels.
 
-The patch replaces only the ``forward`` of the model's vision module instance with one that runs
-:func:`qvl.vit.model.tower_forward` over the module's *own* parameters. Nothing is copied or renamed,
+The patch replaces only the ``forward`` of the model's vision module instance with one that runs the tower runner
+(:mod:`qvl.vit.runner`) over the module's *own* parameters. Nothing is copied or renamed,
 so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype casts keep working, and
 the weights stay where transformers put them. Training runs on qvl too (every op has a backward; adapters in the
 linears' places and gradient checkpointing are honoured). Calls that qvl's fused tower cannot serve (attention
@@ -19,15 +19,13 @@ import warnings
 import torch
 from torch import nn
 
-from .config import QWEN3_FULL_MODEL_TYPES, QWEN3_VISION_MODEL_TYPES, VisionConfig
-from .metadata import build_metadata
-from .model import tower_forward
+from .families import config_from_hf, family_of, supported_model_types
 from .parallel import make_parallel
-from .qwen2_tower import QWEN2_FULL_MODEL_TYPES, QWEN2_VISION_MODEL_TYPES, Qwen2VisionConfig, encode_qwen2
+from .runner import TowerRunner
+from .towers import tower_class_of
 
 __all__ = [
     "ATTENTION_NAME",
-    "SUPPORTED_MODEL_TYPES",
     "UnfusedFallbackWarning",
     "is_patched",
     "patch_model",
@@ -35,14 +33,6 @@ __all__ = [
     "unpatch_model",
 ]
 
-# Models whose vision tower is Qwen3-VL's (Qwen3.5's has no deepstack mergers, Qwen3-Omni's names its mergers
-# ln_q / mlp: qvl.vit.model.merger_parts); Qwen3-Omni's full model holds it under .thinker.visual.
-_FULL_MODEL_TYPES = QWEN3_FULL_MODEL_TYPES
-_VISION_MODEL_TYPES = QWEN3_VISION_MODEL_TYPES
-# The config.model_type of the models patch_model takes (whatever their class: subclasses are welcome).
-# Qwen2.5-VL's and Qwen2-VL's towers run on qvl.vit.qwen2_tower (no learned position table; Qwen2.5-VL's attends
-# in windows).
-SUPPORTED_MODEL_TYPES = _FULL_MODEL_TYPES + _VISION_MODEL_TYPES + QWEN2_FULL_MODEL_TYPES + QWEN2_VISION_MODEL_TYPES
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
 ATTENTION_NAME = "qvl_vision"
 
@@ -58,59 +48,25 @@ def _model_type(module) -> str | None:
 
 
 def _vision_module(model: nn.Module, caller: str) -> nn.Module:
-    """The vision module of ``model``, found by ``config.model_type``: the model itself, its ``visual``, or that
-    of the first module down its chain of ``.model`` attributes (transformers' own nesting and wrappers')."""
+    """The vision module of ``model``, found by ``config.model_type`` (:mod:`qvl.vit.families`): the model itself,
+    its ``visual``, or that of the first module down its chain of ``.model`` (or ``.thinker``) attributes
+    (transformers' own nesting and wrappers')."""
     module, seen = model, set()
     while isinstance(module, nn.Module) and id(module) not in seen:
         seen.add(id(module))
-        model_type = _model_type(module)
-        if model_type in _VISION_MODEL_TYPES or model_type in QWEN2_VISION_MODEL_TYPES:
+        family = family_of(_model_type(module))
+        if family is not None and _model_type(module) in family.vision_model_types:
             return module
         visual = getattr(module, "visual", None)
-        if model_type in _FULL_MODEL_TYPES and _model_type(visual) in _VISION_MODEL_TYPES:
-            return visual
-        if model_type in QWEN2_FULL_MODEL_TYPES and _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
+        if family is not None and _model_type(visual) in family.vision_model_types:
             return visual
         inner = getattr(module, "model", None)
         module = getattr(module, "thinker", None) if inner is None else inner
     raise TypeError(
-        f"{caller}: unsupported model {type(model).__name__}; supported: a transformers Qwen3-VL, Qwen2.5-VL or"
-        f" Qwen2-VL model, recognised by its config.model_type ({', '.join(map(repr, SUPPORTED_MODEL_TYPES))}:"
-        " Qwen3-VL, Qwen3.5, their MoE variants, Qwen3-Omni-MoE, Qwen2.5-VL and Qwen2-VL, full, inner or vision"
-        " models and subclasses), or a module whose .model (or .thinker) is one"
-    )
-
-
-def _encode(
-    visual: nn.Module,
-    config: VisionConfig,
-    hidden_states: torch.Tensor,
-    grid_thw,
-    hidden_states_out=None,
-    checkpoint_blocks: bool = False,
-):
-    """``(last_hidden_state, merged, deepstack)`` of a batch through the vision module's own parameters;
-    ``hidden_states_out`` and ``checkpoint_blocks``: see :func:`tower_forward`."""
-    weight = visual.pos_embed.weight
-    meta = build_metadata(
-        grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw,
-        spatial_merge_size=config.spatial_merge_size,
-        num_grid_per_side=config.num_grid_per_side,
-        device=weight.device,
-    )
-    return tower_forward(
-        visual,
-        hidden_states.to(weight.device),
-        meta.cu_seqlens,
-        meta.positions,
-        meta.interp_indices,
-        meta.interp_weights,
-        num_heads=config.num_heads,
-        rope_theta=config.rope_theta,
-        deepstack_visual_indexes=config.deepstack_visual_indexes,
-        spatial_merge_size=config.spatial_merge_size,
-        hidden_states_out=hidden_states_out,
-        checkpoint_blocks=checkpoint_blocks,
+        f"{caller}: unsupported model {type(model).__name__}; supported: a transformers model of a family qvl serves,"
+        f" recognised by its config.model_type ({', '.join(map(repr, supported_model_types()))}: Qwen3-VL, Qwen3.5,"
+        " their MoE variants, Qwen3-Omni-MoE, Qwen2.5-VL and Qwen2-VL, full, inner or vision models and subclasses),"
+        " or a module whose .model (or .thinker) is one"
     )
 
 
@@ -138,14 +94,12 @@ class _PatchedForward:
     forward and :func:`unpatch_model` puts it back.
     """
 
-    def __init__(self, visual, replaced_forward, replaced_extra_repr, config, data_parallel, encode=None):
+    def __init__(self, visual, replaced_forward, replaced_extra_repr, runner: TowerRunner, data_parallel):
         self.visual = visual
-        # (visual, config, pixels, grid_thw, hidden_states_out) -> (last_hidden_state, merged, deepstack):
-        # Qwen3-VL's tower (config a VisionConfig) or Qwen2.5-VL's / Qwen2-VL's (a Qwen2VisionConfig).
-        self.encode = encode or _encode
+        self.runner = runner
+        self.config = runner.config
         self.replaced_forward = replaced_forward
         self.replaced_extra_repr = replaced_extra_repr
-        self.config = config
         self.data_parallel = data_parallel
         # What transformers' forward returns: its modeling module's output class with deepstack features
         # (Qwen3-VL, Qwen3-Omni), or plain pooling output (Qwen3.5).
@@ -161,7 +115,7 @@ class _PatchedForward:
             ),
             None,
         )
-        has_deepstack = bool(config.deepstack_visual_indexes) and deepstack_class is not None
+        has_deepstack = bool(self.config.deepstack_visual_indexes) and deepstack_class is not None
         self.output_class = deepstack_class if has_deepstack else BaseModelOutputWithPooling
 
     def original_forward(self):
@@ -210,18 +164,19 @@ class _PatchedForward:
 
         hidden = [] if output_hidden_states else None
         checkpoint = _checkpointing(self.visual)
+        runner = self.runner
         if self.data_parallel is None:
-            last_hidden, merged, deepstack = self.encode(
-                self.visual, self.config, hidden_states, grid_thw, hidden, checkpoint
+            meta = runner.metadata(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw)
+            last_hidden, merged, deepstack = runner.encode(
+                hidden_states, meta, hidden_states_out=hidden, checkpoint_blocks=checkpoint
             )
         else:
             last_hidden = None
-            merged, deepstack = self.data_parallel.run(
-                hidden_states,
-                grid_thw,
-                lambda pixels, grid: self.encode(self.visual, self.config, pixels, grid, None, checkpoint)[1:],
-                self.visual.patch_embed.proj.weight.device,
-            )
+
+            def encode_share(pixels, grid):
+                return runner.encode(pixels, runner.metadata(grid), checkpoint_blocks=checkpoint)[1:]
+
+            merged, deepstack = self.data_parallel.run(hidden_states, grid_thw, encode_share, runner.device)
         fields = {"last_hidden_state": last_hidden, "pooler_output": merged}
         if self.config.deepstack_visual_indexes:
             fields["deepstack_features"] = deepstack
@@ -258,7 +213,7 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
 
     ``model``: a transformers model whose vision tower is Qwen3-VL's, recognised by its ``config.model_type``
-    (:data:`SUPPORTED_MODEL_TYPES`: Qwen3-VL, Qwen3.5 and their MoE variants as full models
+    (:func:`qvl.vit.families.supported_model_types`: Qwen3-VL, Qwen3.5 and their MoE variants as full models
     (``...ForConditionalGeneration``), inner models (``...Model``), bare vision models and subclasses of them;
     Qwen3-Omni-MoE's thinker and its vision encoder; Qwen2.5-VL and Qwen2-VL, whose towers run on
     :mod:`qvl.vit.qwen2_tower`, full, inner or vision models), or a module whose ``.model`` (or ``.thinker``, as
@@ -297,29 +252,26 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     """
     visual = _vision_module(model, "patch_model")
     # The config check rejects a tower qvl cannot run, before anything changes.
-    if _model_type(visual) in QWEN2_VISION_MODEL_TYPES:
-        config, encode, tower_class = Qwen2VisionConfig.from_hf(visual.config), encode_qwen2, "Qwen2VisionTransformer"
-    else:
-        config, encode, tower_class = VisionConfig.from_hf(visual.config), _encode, "VisionTransformer"
+    family, config = config_from_hf(visual.config)
     if parallel == "weights":
         raise ValueError(
             "patch_model: parallel='weights' would shard the model's own parameters; use "
-            f"qvl.vit.{tower_class}.from_hf(visual, parallel='weights') for a weight-sharded tower"
+            f"qvl.vit.{tower_class_of(family).__name__}.from_hf(visual, parallel='weights') for a weight-sharded tower"
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
-    _install(visual, config, data_parallel, encode)
+    _install(visual, TowerRunner(visual, config, family.names), data_parallel)
     return model
 
 
-def _install(visual: nn.Module, config, data_parallel, encode) -> None:
+def _install(visual: nn.Module, runner: TowerRunner, data_parallel) -> None:
     """Put a :class:`_PatchedForward` in the module's forward slot (anew when already patched)."""
     slot, current = _find_patch(visual)
     if current is None:
         replaced_forward, replaced_extra_repr = vars(visual).get(slot), vars(visual).get("extra_repr")
     else:
         replaced_forward, replaced_extra_repr = current.replaced_forward, current.replaced_extra_repr
-    patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, config, data_parallel, encode)
+    patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, runner, data_parallel)
     setattr(visual, slot, patched)
     visual.extra_repr = patched.extra_repr
 

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
@@ -37,7 +36,7 @@ __all__ = [
     "runs_itself",
     "patch_merger",
     "row_parallel_linear",
-    "run_blocks",
+    "stacked_swiglu_mlp",
     "swiglu_mlp",
     "vision_mlp",
 ]
@@ -78,39 +77,6 @@ def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     if runs_itself(proj):
         return proj(pixel_values.view(-1, *weight.shape[1:])).view(-1, weight.shape[0])
     return F.linear(pixel_values, weight.view(weight.shape[0], -1), proj.bias)
-
-
-Step = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
-
-
-def run_blocks(
-    depth: int,
-    x: torch.Tensor,
-    h: torch.Tensor,
-    step: Step,
-    after: Callable[[int, torch.Tensor], None] | None = None,
-    checkpoint_blocks: bool = False,
-    hidden_states_out: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """A tower's blocks: ``x, h = step(index, x, h)`` for each block (``x`` the residual stream, ``h`` its
-    normed copy for the next block, None after the last), then ``after(index, x)``; returns the last ``x``.
-
-    ``checkpoint_blocks`` runs each step under non-reentrant activation checkpointing (its activations
-    recomputed in backward). ``hidden_states_out`` receives the first block's input and each block's output,
-    as transformers' ``output_hidden_states`` records them; each is a new tensor, never overwritten later.
-    """
-    if hidden_states_out is not None:
-        hidden_states_out.append(x)
-    for index in range(depth):
-        if checkpoint_blocks:
-            x, h = torch.utils.checkpoint.checkpoint(step, index, x, h, use_reentrant=False)
-        else:
-            x, h = step(index, x, h)
-        if hidden_states_out is not None:
-            hidden_states_out.append(x)
-        if after is not None:
-            after(index, x)
-    return x
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | Product) -> torch.Tensor:
@@ -294,6 +260,30 @@ def swiglu_mlp(
     check_tensor("swiglu_mlp", "x", x, ndim=2)
     x = column_parallel_input(x, all_reduce)
     gate, up = _product(x, gate_weight), _product(x, up_weight)
+    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce)
+
+
+def stacked_swiglu_mlp(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor | Product,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor | Product,
+    down_bias: torch.Tensor | None,
+    all_reduce: AllReduce | None = None,
+) -> torch.Tensor:
+    """:func:`swiglu_mlp` with gate and up stacked in one linear (vLLM's ``gate_up_proj``): ``gate_up_weight``
+    ``(2F, C)`` (gate rows first) or a :data:`Product`, ``gate_up_bias`` ``(2F,)``; one product, whose halves
+    enter :func:`bias_swiglu` as views."""
+    check_tensor("stacked_swiglu_mlp", "x", x, ndim=2)
+    x = column_parallel_input(x, all_reduce)
+    gate, up = _product(x, gate_up_weight).chunk(2, dim=-1)
+    gate_bias, up_bias = (None, None) if gate_up_bias is None else gate_up_bias.chunk(2)
+    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce)
+
+
+def _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce) -> torch.Tensor:
+    """``down(silu(gate + gate_bias) * (up + up_bias))``, the biases and the activation in one op (a missing bias
+    as zeros)."""
     zeros = gate.new_zeros(gate.shape[-1]) if gate_bias is None or up_bias is None else None
     h = torch.ops.qvl.bias_swiglu(
         gate, up, zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias

@@ -59,6 +59,8 @@ class VisionMetadata:
         token_counts: ``t * h * w`` per entry (Python ints).
         merged_token_counts: ``t * h * w // spatial_merge_size ** 2`` per entry, for splitting the
             merger's output per image.
+        window: a windowed tower's window layout (:class:`WindowMetadata`; ``positions`` are then in window
+            order), None for other towers (see :func:`qvl.vit.runner.build_tower_metadata`).
     """
 
     grid_thw: torch.Tensor
@@ -71,6 +73,7 @@ class VisionMetadata:
     num_grid_per_side: int | None
     token_counts: tuple[int, ...]
     merged_token_counts: tuple[int, ...]
+    window: WindowMetadata | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,20 +91,22 @@ class VisionMetadata:
     def device(self) -> torch.device:
         return self.cu_seqlens.device
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> VisionMetadata:
-        """A copy with the device tensors on ``device`` (``grid_thw`` stays on the CPU)."""
+    def to(self, device: torch.device | str) -> VisionMetadata:
+        """A copy with the device tensors on ``device`` (``grid_thw`` stays on the CPU), moved by
+        :func:`to_device` (no sync)."""
         device = torch.device(device)
         return dataclasses.replace(
             self,
-            cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
-            positions=self.positions.to(device, non_blocking=non_blocking),
-            interp_indices=_to(self.interp_indices, device, non_blocking),
-            interp_weights=_to(self.interp_weights, device, non_blocking),
+            cu_seqlens=to_device(self.cu_seqlens, device),
+            positions=to_device(self.positions, device),
+            interp_indices=_to(self.interp_indices, device),
+            interp_weights=_to(self.interp_weights, device),
+            window=None if self.window is None else self.window.to(device),
         )
 
 
-def _to(tensor: torch.Tensor | None, device: torch.device, non_blocking: bool) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else to_device(tensor, device)
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -312,14 +317,14 @@ class WindowMetadata:
     def num_windows(self) -> int:
         return int(self.cu_window_seqlens.shape[0]) - 1
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> WindowMetadata:
-        """A copy with the tensors on ``device``."""
+    def to(self, device: torch.device | str) -> WindowMetadata:
+        """A copy with the tensors on ``device``, moved by :func:`to_device` (no sync)."""
         device = torch.device(device)
         return dataclasses.replace(
             self,
-            window_index=self.window_index.to(device, non_blocking=non_blocking),
-            reverse_index=self.reverse_index.to(device, non_blocking=non_blocking),
-            cu_window_seqlens=self.cu_window_seqlens.to(device, non_blocking=non_blocking),
+            window_index=to_device(self.window_index, device),
+            reverse_index=to_device(self.reverse_index, device),
+            cu_window_seqlens=to_device(self.cu_window_seqlens, device),
         )
 
 

@@ -1,54 +1,37 @@
-"""The Qwen3-VL vision tower on qvl ops.
+"""The Qwen3-VL vision tower on qvl ops, and what qvl's tower classes share.
 
 :class:`VisionTransformer` holds its parameters under transformers' names and shapes
 (``patch_embed.proj``, ``pos_embed``, ``blocks.{i}.norm1`` / ``attn.qkv`` / ``attn.proj`` / ``norm2`` /
 ``mlp.linear_fc1`` / ``mlp.linear_fc2``, ``merger``, ``deepstack_merger_list``), so a transformers
-vision state dict loads into it unchanged, and :func:`tower_forward` runs on either module tree: qvl's
-own tower or a transformers ``Qwen3VLVisionModel`` patched in place by :mod:`qvl.vit.hf_patch`.
+vision state dict loads into it unchanged (other families' names, e.g. Qwen3-Omni's mergers, are mapped on load).
 
-One forward: ``grid_thw`` -> host metadata (:mod:`qvl.vit.metadata`, once) -> device part
-(:func:`tower_forward`: patch embed as one matmul, position-embedding interpolation added in place,
-``depth`` blocks with fused rotary-in-attention and fused residual+LayerNorm, deepstack mergers, main
-merger). The device part reads nothing back to the host, which is what lets :meth:`VisionTransformer.compile`
-compile it once for every batch shape.
+One forward: ``grid_thw`` -> host metadata (once) -> device part, both by the tower runner
+(:mod:`qvl.vit.runner`, which also runs transformers' and vLLM's module trees): patch embed as one matmul,
+position-embedding interpolation added in place, ``depth`` blocks with fused rotary-in-attention and fused
+residual+LayerNorm, deepstack mergers, main merger. The device part reads nothing back to the host, which is
+what lets :meth:`TowerBase.compile` compile it once for every batch shape.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
-
-from .config import VisionConfig
+from .config import TowerConfig, VisionConfig
+from .families import QWEN3_VL_NAMES, Family, ModuleNames, config_from_dict, config_from_hf
 from .graphs import TowerGraphs, check_budgets
-from .layers import (
-    AllReduce,
-    Product,
-    column_parallel_input,
-    embed_patches,
-    linear_parts,
-    needs_grad,
-    patch_merger,
-    row_parallel_linear,
-    run_blocks,
-    vision_mlp,
-)
-from .metadata import VisionMetadata, build_metadata
+from .metadata import VisionMetadata
 from .parallel import LocalWidths, make_parallel
+from .runner import DeviceInputs, TowerRunner
 
-__all__ = ["LinearParts", "TowerBase", "VisionTransformer", "call_compiled", "tower_forward"]
+__all__ = ["TowerBase", "VisionTransformer"]
 
 # The last name of the norm modules, whose weights init_random_weights draws around 1.
 _NORM_NAMES = frozenset({"norm", "norm1", "norm2", "ln_q"})
-
-# A linear module -> (weight or bias-less product, bias), the arguments the layer functions take for it.
-LinearParts = Callable[[nn.Module], tuple[torch.Tensor | Product, torch.Tensor]]
 
 
 class _Attention(nn.Module):
@@ -91,167 +74,12 @@ class _PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
 
 
-def tower_forward(
-    tower: nn.Module,
-    pixel_values: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    positions: torch.Tensor,
-    interp_indices: torch.Tensor,
-    interp_weights: torch.Tensor,
-    *,
-    num_heads: int,
-    rope_theta: float,
-    deepstack_visual_indexes: Sequence[int],
-    spatial_merge_size: int,
-    all_reduce: AllReduce | None = None,
-    hidden_states_out: list[torch.Tensor] | None = None,
-    linear: LinearParts | None = None,
-    checkpoint_blocks: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The device part of the tower's forward over a module tree with transformers' names.
-
-    Args:
-        tower: qvl's :class:`VisionTransformer` or a transformers ``Qwen3VLVisionModel``.
-        pixel_values: ``(T, in_channels * temporal_patch_size * patch_size**2)`` patches in merge-block
-            order (the processor's output).
-        cu_seqlens, positions, interp_indices, interp_weights: from :func:`build_metadata`, on the device.
-        num_heads: heads held by this module tree (all of them, or this rank's share under tensor
-            parallelism, where ``all_reduce`` sums the row-parallel partial products over the ranks).
-        hidden_states_out: a list that receives the residual stream as transformers' ``output_hidden_states``
-            records it: the embedded patches (the first block's input), then each block's output, ``depth + 1``
-            tensors ``(T, C)``, the last one ``last_hidden_state`` itself. None (the default) records nothing.
-        linear: maps each linear module (qkv, proj, fc1, fc2) to its ``(weight, bias)`` as the layer functions
-            take them (:mod:`qvl.vit.layers`); the weight may be a :data:`~qvl.vit.layers.Product`. None (the
-            default) is :func:`~qvl.vit.layers.linear_parts`: a plain ``nn.Linear``'s weight and bias, any other
-            module in its place (a PEFT LoRA adapter) called.
-        checkpoint_blocks: run each block under activation checkpointing (recomputed in backward), as
-            transformers' ``gradient_checkpointing_enable()`` does.
-
-    Forward and backward: every op has a backward, and the in-place ones give way to out-of-place forms where
-    autograd records them.
-
-    Returns ``(last_hidden_state (T, C), merged (T / m^2, out_hidden), deepstack list)``.
-    """
-    x = embed_patches(tower.patch_embed.proj, pixel_values)
-    pos_embed = tower.pos_embed.weight
-    if needs_grad(x, pos_embed):
-        x = x + torch.ops.qvl.pos_embed_interp(pos_embed, interp_indices, interp_weights).to(x.dtype)
-    else:
-        torch.ops.qvl.pos_embed_interp_add_(x, pos_embed, interp_indices, interp_weights)
-
-    num_tokens = x.shape[0]
-    blocks = tower.blocks
-    first = blocks[0].norm1
-    h = torch.ops.qvl.layer_norm(x, first.weight, first.bias, first.eps)
-    linear = linear or linear_parts
-    # A recorded hidden state whose gradient autograd may be asked for (retain_grad) must be what the next block
-    # reads: the fused residual add + norm would hand that block a normed copy computed beside it instead.
-    separate_states = hidden_states_out is not None and torch.is_grad_enabled()
-
-    def block_step(index: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        block = blocks[index]
-        attn = block.attn
-        qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(attn.qkv), None)
-        q, k, v = qkv.view(num_tokens, 3, num_heads, qkv.shape[1] // (3 * num_heads)).unbind(1)
-        a = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions, rope_theta=rope_theta)
-        a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
-        x, h = torch.ops.qvl.add_layer_norm(x, a, block.norm2.weight, block.norm2.bias, block.norm2.eps)
-        mlp = block.mlp
-        m = vision_mlp(h, *linear(mlp.linear_fc1), *linear(mlp.linear_fc2), all_reduce)
-        if index + 1 == len(blocks):
-            return x + m, None
-        norm = blocks[index + 1].norm1
-        if separate_states:
-            x = x + m
-            return x, torch.ops.qvl.layer_norm(x, norm.weight, norm.bias, norm.eps)
-        return torch.ops.qvl.add_layer_norm(x, m, norm.weight, norm.bias, norm.eps)
-
-    deepstack = []
-    # int(): under torch.compile(dynamic=True) ints read from a plain object (a config) may arrive symbolic,
-    # and Dynamo then took ``index in (symbolic ints)`` for False and dropped the deepstack features; int()
-    # makes it specialize them (one guard) instead.
-    deepstack_mergers = {int(layer): n for n, layer in enumerate(deepstack_visual_indexes)}
-
-    def after_block(index: int, x: torch.Tensor) -> None:
-        if index in deepstack_mergers:
-            merger = tower.deepstack_merger_list[deepstack_mergers[index]]
-            deepstack.append(_merge(merger, x, spatial_merge_size, True, all_reduce, linear))
-
-    x = run_blocks(len(blocks), x, h, block_step, after_block, checkpoint_blocks, hidden_states_out)
-    merged = _merge(tower.merger, x, spatial_merge_size, False, all_reduce, linear)
-    return x, merged, deepstack
-
-
-# Qwen3-Omni's vision encoder names its mergers' parts (merger_list.{i} | merger).(ln_q | mlp.0 | mlp.2).
-_OMNI_MERGER_NAME = re.compile(r"^(merger_list\.\d+|merger)\.(ln_q|mlp\.0|mlp\.2)\.")
-_QWEN3_VL_MERGER_PART = {"ln_q": "norm", "mlp.0": "linear_fc1", "mlp.2": "linear_fc2"}
-
-
-def _qwen3_vl_merger_name(match: re.Match) -> str:
-    merger = match.group(1).replace("merger_list", "deepstack_merger_list")
-    return f"{merger}.{_QWEN3_VL_MERGER_PART[match.group(2)]}."
-
-
-def call_compiled(compiled, *args: torch.Tensor):
-    """Call a tower's compiled device part so that every batch reuses one graph: each argument's first
-    (token) dim marked dynamic, and the first argument (pixel values) made a fresh tensor when it is a view
-    with an offset (Dynamo guards on a view's storage offset)."""
-    if args[0].storage_offset() != 0:
-        args = (args[0].clone(),) + args[1:]
-    for tensor in args:
-        torch._dynamo.mark_dynamic(tensor, 0)
-    # Float attributes (norm eps, rope theta) stay constants: as symbolic floats they make a training graph's
-    # scalar pass restart the whole trace.
-    with _size_oblivious_tracing(), torch._dynamo.config.patch(specialize_float=True):
-        return compiled(*args)
-
-
-def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
-    """Trace with token counts of 1 left unspecialized (one 2x2 image has one merged token), so no batch
-    shape triggers a recompile. The switch lives in a private torch module: without it, a count of 1 costs
-    one extra compile and nothing else."""
-    try:
-        from torch.fx.experimental import _config as fx_config
-
-        return fx_config.patch(backed_size_oblivious=True)
-    except (ImportError, AttributeError):
-        return contextlib.nullcontext()
-
-
-def merger_parts(merger: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """``(norm, fc1, fc2)`` of a patch merger under either family's names: Qwen3-VL's and Qwen3.5's
-    (``norm``, ``linear_fc1``, ``linear_fc2``) or Qwen3-Omni's (``ln_q``, ``mlp[0]``, ``mlp[2]``, the GELU
-    between them)."""
-    if hasattr(merger, "ln_q"):
-        return merger.ln_q, merger.mlp[0], merger.mlp[2]
-    return merger.norm, merger.linear_fc1, merger.linear_fc2
-
-
-def _merge(
-    merger: nn.Module, x, spatial_merge_size: int, postshuffle_norm: bool, all_reduce, linear: LinearParts
-) -> torch.Tensor:
-    norm, fc1, fc2 = merger_parts(merger)
-    return patch_merger(
-        x,
-        norm.weight,
-        norm.bias,
-        *linear(fc1),
-        *linear(fc2),
-        spatial_merge_size=spatial_merge_size,
-        postshuffle_norm=postshuffle_norm,
-        eps=norm.eps,
-        all_reduce=all_reduce,
-    )
-
-
 class TowerBase(nn.Module):
-    """What qvl's tower classes share: the parallel strategy, weight loading, the host/device split of a forward
-    and compilation.
+    """What qvl's tower classes share: the parallel strategy, weight loading, the tower runner over the tower's own
+    modules (host metadata and device forward, :mod:`qvl.vit.runner`), CUDA graphs and compilation.
 
-    A subclass sets ``config_class`` (a config dataclass with ``from_hf(hf_config)`` and ``from_dict(dict)``),
-    builds its parameters under transformers' names after ``super().__init__``, and defines :meth:`metadata`
-    (host part of a batch), :meth:`_device_inputs` (the metadata's tensors the device part takes) and
-    :meth:`_device_forward` (the device part: tensors in, ``(merged, deepstack list)`` out).
+    A subclass sets ``config_class`` (a config dataclass with ``from_dict``), builds its parameters under
+    transformers' names after ``super().__init__`` and says where its MLP and merger parts live (:attr:`names`).
 
     ``tower(pixel_values, grid_thw)`` returns ``(merged, deepstack)``: the main merger's output
     ``(sum(t*h*w) / m^2, out_hidden_size)`` and the list of deepstack mergers' outputs of the same shape (empty
@@ -264,13 +92,20 @@ class TowerBase(nn.Module):
 
     config_class: type
 
-    def __init__(self, config, *, parallel: str | None = None, group=None):
+    def __init__(self, config: TowerConfig, *, parallel: str | None = None, group=None):
         super().__init__()
         self.config = config
-        self._compiled_forward = None
         self._graphs: TowerGraphs | None = None
         self._parallel = make_parallel(parallel, config, group, caller=type(self).__name__)
         self.num_local_heads = self._parallel.local_widths().num_heads
+        self._runner = TowerRunner(
+            self, config, self.names, num_heads=self.num_local_heads, all_reduce=self._parallel.all_reduce
+        )
+
+    @property
+    def names(self) -> ModuleNames:
+        """Where this tower keeps its MLP and merger parts."""
+        raise NotImplementedError
 
     @property
     def parallel(self) -> str | None:
@@ -305,10 +140,11 @@ class TowerBase(nn.Module):
     def from_hf(cls, vision_module: nn.Module, **kwargs):
         """A tower with a copy of a transformers vision model's weights (``parallel`` and ``group`` as for the
         constructor)."""
-        config = cls.config_class.from_hf(vision_module.config)
+        family, config = config_from_hf(vision_module.config)
+        cls._check_family(family)
         weight = vision_module.patch_embed.proj.weight
         tower = cls(config, dtype=weight.dtype, device=weight.device, **kwargs)
-        tower.load_full_state_dict(vision_module.state_dict())
+        tower.load_full_state_dict(vision_module.state_dict(), family.names)
         return tower
 
     @classmethod
@@ -317,21 +153,28 @@ class TowerBase(nn.Module):
         defaults to the checkpoint's."""
         from .checkpoint import load_vision_checkpoint
 
-        config, state_dict = load_vision_checkpoint(path)
+        values, state_dict = load_vision_checkpoint(path)
+        family, config = config_from_dict(values)
+        cls._check_family(family)
         dtype = dtype or next(iter(state_dict.values())).dtype
-        tower = cls(cls.config_class.from_dict(config), dtype=dtype, device=device, **kwargs)
-        tower.load_full_state_dict(state_dict)
+        tower = cls(config, dtype=dtype, device=device, **kwargs)
+        tower.load_full_state_dict(state_dict, family.names)
         return tower
 
-    def _canonical_names(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A whole tower's state dict under this class's own names (other checkpoints' names mapped)."""
-        return state_dict
+    @classmethod
+    def _check_family(cls, family: Family) -> None:
+        if family.config_class is not cls.config_class:
+            raise ValueError(
+                f"{cls.__name__} does not run {family.name}'s tower; qvl.vit.load_tower / tower_from_hf pick the class"
+            )
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a whole (unsharded) tower's weights with transformers' names; extra keys are ignored. Under
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], names: ModuleNames | None = None) -> None:
+        """Load a whole (unsharded) tower's weights with transformers' names (``names``: where that checkpoint's
+        family keeps its MLP and merger parts, default this tower's own); extra keys are ignored. Under
         ``parallel="weights"`` each rank keeps its own part."""
         name = type(self).__name__
-        state_dict = self._canonical_names(state_dict)
+        if names is not None and names != self.names:
+            state_dict = {_renamed(key, names, self.names): tensor for key, tensor in state_dict.items()}
         own = self.state_dict()
         state_dict = self._parallel.local_state_dict(state_dict, {key: t.shape for key, t in own.items()})
         missing = [key for key in own if key not in state_dict]
@@ -344,17 +187,10 @@ class TowerBase(nn.Module):
                     raise ValueError(f"{name}: {key} has shape {tuple(source.shape)}, expected {tuple(target.shape)}")
                 target.copy_(source)
 
-    def metadata(self, grid_thw):
+    def metadata(self, grid_thw) -> VisionMetadata:
         """Host-side metadata of a batch (``grid_thw``: CPU tensor, numpy array or list of (t, h, w)), on this
         tower's device."""
-        raise NotImplementedError
-
-    def _device_inputs(self, meta) -> tuple:
-        """The metadata tensors :meth:`_device_forward` takes after the pixel values."""
-        raise NotImplementedError
-
-    def _device_forward(self, pixel_values: torch.Tensor, *inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        raise NotImplementedError
+        return self._runner.metadata(grid_thw)
 
     def encode(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The device part for a batch whose metadata is already built (in data mode only ``meta.grid_thw``
@@ -378,16 +214,12 @@ class TowerBase(nn.Module):
     def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
         self._check_pixels(pixel_values, meta.num_tokens)
-        if meta.num_tokens == 0:
-            empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
-            return empty, [empty.clone() for _ in self.config.deepstack_visual_indexes]
-        return self._run_device(pixel_values.to(self.device), *self._device_inputs(meta))
+        outputs = self._runner.encode(pixel_values, meta)
+        return outputs.merged, outputs.deepstack
 
-    def _run_device(self, pixel_values: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The device part on device tensors: compiled after :meth:`compile`, else eager."""
-        if self._compiled_forward is None:
-            return self._device_forward(pixel_values, *inputs)
-        return call_compiled(self._compiled_forward, pixel_values, *inputs)
+        return self._runner.run_device(pixel_values, inputs)
 
     def _encode_captured(self, pixel_values: torch.Tensor, grid: np.ndarray):
         """``(merged, deepstack)`` through the captured budgets (:meth:`capture`), or None where they do not
@@ -464,8 +296,7 @@ class TowerBase(nn.Module):
         image has one merged token), and nothing else changes. Extra keyword arguments go to
         ``torch.compile`` (``fullgraph=True, dynamic=True`` by default).
         """
-        options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
-        self._compiled_forward = torch.compile(self._device_forward, **options)
+        self._runner.compile(**compile_kwargs)
         return self
 
 
@@ -508,33 +339,32 @@ class VisionTransformer(TowerBase):
         if dtype is not None or device is not None:
             self.to(dtype=dtype, device=device)
 
-    def _canonical_names(self, state_dict):
-        """Qwen3-Omni's merger names (``merger_list``, ``ln_q``, ``mlp.0``, ``mlp.2``) become Qwen3-VL's."""
-        return {_OMNI_MERGER_NAME.sub(_qwen3_vl_merger_name, name): t for name, t in state_dict.items()}
+    @property
+    def names(self) -> ModuleNames:
+        return QWEN3_VL_NAMES
 
-    def metadata(self, grid_thw) -> VisionMetadata:
-        return build_metadata(
-            grid_thw,
-            spatial_merge_size=self.config.spatial_merge_size,
-            num_grid_per_side=self.config.num_grid_per_side,
-            device=self.device,
+
+def _renamed(key: str, source: ModuleNames, target: ModuleNames) -> str:
+    """A parameter name of a tower with ``source``'s module names under ``target``'s (e.g. Qwen3-Omni's
+    ``merger_list.0.ln_q.weight`` as Qwen3-VL's ``deepstack_merger_list.0.norm.weight``)."""
+    match = re.match(rf"(merger|{re.escape(source.deepstack_mergers)}\.\d+)\.(.+)$", key)
+    if match is not None:
+        module, rest = match.groups()
+        module = module.replace(source.deepstack_mergers, target.deepstack_mergers, 1)
+        parts = zip(
+            (source.merger_norm, source.merger_fc1, source.merger_fc2),
+            (target.merger_norm, target.merger_fc1, target.merger_fc2),
         )
+        return f"{module}.{_replace_prefix(rest, parts)}"
+    match = re.match(r"(blocks\.\d+\.mlp)\.(.+)$", key)
+    if match is not None and len(source.mlp_in) == len(target.mlp_in):
+        parts = zip((*source.mlp_in, source.mlp_out), (*target.mlp_in, target.mlp_out))
+        return f"{match.group(1)}.{_replace_prefix(match.group(2), parts)}"
+    return key
 
-    def _device_inputs(self, meta: VisionMetadata) -> tuple[torch.Tensor, ...]:
-        return meta.cu_seqlens, meta.positions, meta.interp_indices, meta.interp_weights
 
-    def _device_forward(self, pixel_values, cu_seqlens, positions, interp_indices, interp_weights):
-        _, merged, deepstack = tower_forward(
-            self,
-            pixel_values,
-            cu_seqlens,
-            positions,
-            interp_indices,
-            interp_weights,
-            num_heads=self.num_local_heads,
-            rope_theta=self.config.rope_theta,
-            deepstack_visual_indexes=self.config.deepstack_visual_indexes,
-            spatial_merge_size=self.config.spatial_merge_size,
-            all_reduce=self._parallel.all_reduce,
-        )
-        return merged, deepstack
+def _replace_prefix(name: str, pairs) -> str:
+    for old, new in pairs:
+        if name.startswith(old + "."):
+            return new + name[len(old) :]
+    return name

@@ -17,6 +17,7 @@ import torch
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer
 from qvl.vit.graphs import PAD_FRAME_UNITS, pad_batch, pad_pixels
+from qvl.vit.runner import DeviceInputs
 
 # Two images and a two-frame video: 112 tokens (28 merged) in 4 frames; with window_size 56 (2 x 2 merge blocks)
 # the 6 x 10 image leaves partial windows.
@@ -104,7 +105,7 @@ def family(name: str, seed: int = 0, **overrides):
 
 def padded_outputs(tower, pixels: torch.Tensor, batch) -> list[torch.Tensor]:
     """``[merged, *deepstack]`` of the padded batch's device forward on ``pixels``, cut to the real rows."""
-    merged, deepstack = batch.real_outputs(*tower._device_forward(pixels, *tower._device_inputs(batch.meta)))
+    merged, deepstack = batch.real_outputs(*tower._run_device(pixels, DeviceInputs.of(batch.meta)))
     return [merged, *deepstack]
 
 
@@ -173,7 +174,7 @@ def test_every_batch_of_a_budget_has_the_same_shapes(name):
     budget = 256
     grids = [GRID, [[1, 2, 2]], [[8, 2, 8]], [[1, 16, 16]], []]
     batches = [pad_batch(tower, grid, budget) for grid in grids]
-    shapes = {tuple(tuple(t.shape) for t in tower._device_inputs(batch.meta)) for batch in batches}
+    shapes = {tuple(t.shape for t in DeviceInputs.of(batch.meta) if t is not None and not isinstance(t, int)) for batch in batches}
     assert len(shapes) == 1
     for grid, batch in zip(grids, batches):
         assert batch.grid[: len(grid)].tolist() == grid and int(np.prod(batch.grid, axis=1).sum()) == budget

@@ -11,7 +11,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from qvl.kernels import force_backend
-from qvl.vit import VisionTransformer, hf_patch, is_patched, patch_model, register_attention, unpatch_model
+from qvl.vit import VisionTransformer, is_patched, patch_model, register_attention, runner, unpatch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from tolerance import assert_error_within
 from towers import (
@@ -79,16 +79,16 @@ def vision_fields(output) -> list[torch.Tensor]:
 
 @pytest.fixture
 def tower_calls(monkeypatch):
-    """The vision modules whose patched forward ran on qvl (``tower_forward``), one entry per run: a call that
-    fell back to transformers' own forward adds nothing."""
+    """The vision modules whose patched forward ran on qvl (the runner's ``device_forward``), one entry per run: a
+    call that fell back to transformers' own forward adds nothing."""
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[0])
-        return tower_forward(*args, **kwargs)
+        return device_forward(*args, **kwargs)
 
-    tower_forward = hf_patch.tower_forward
-    monkeypatch.setattr(hf_patch, "tower_forward", counted)
+    device_forward = runner.device_forward
+    monkeypatch.setattr(runner, "device_forward", counted)
     return calls
 
 

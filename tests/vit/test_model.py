@@ -11,7 +11,8 @@ import torch
 from conftest import ON_GPU
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer
-from qvl.vit.model import _size_oblivious_tracing
+from qvl.vit.families import config_from_hf
+from qvl.vit.runner import _size_oblivious_tracing
 from tolerance import assert_error_within
 from towers import float64_vision_outputs, hf_vision_model, pixel_values_for, vision_config, vision_outputs
 
@@ -69,13 +70,13 @@ def test_head_dim_64_and_80():
 
 
 def test_empty_batch():
-    tower = VisionTransformer(VisionConfig.from_hf(vision_config())).init_random_weights()
+    tower = VisionTransformer(config_from_hf(vision_config())[1]).init_random_weights()
     merged, deepstack = tower(torch.empty(0, 1536), torch.empty(0, 3, dtype=torch.long))
     assert merged.shape == (0, 96) and [d.shape for d in deepstack] == [(0, 96), (0, 96)]
 
 
 def test_bad_inputs():
-    tower = VisionTransformer(VisionConfig.from_hf(vision_config())).init_random_weights()
+    tower = VisionTransformer(config_from_hf(vision_config())[1]).init_random_weights()
     with pytest.raises(ValueError, match="pixel_values must have shape"):
         tower(torch.zeros(5, 1536), [[1, 2, 2]])
     with pytest.raises(ValueError, match="grid_thw"):
@@ -215,7 +216,7 @@ def test_soak_memory_does_not_grow():
     and the run. The batches run twice, the same shapes in the same order: the first pass fills whatever
     is kept per shape, and the second must free everything it allocates.
     """
-    tower = VisionTransformer(VisionConfig.from_hf(vision_config(depth=1, deepstack_visual_indexes=[0])))
+    tower = VisionTransformer(config_from_hf(vision_config(depth=1, deepstack_visual_indexes=[0]))[1])
     tower.init_random_weights().eval()
     generator = torch.Generator().manual_seed(0)
 

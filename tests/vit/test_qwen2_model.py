@@ -20,6 +20,7 @@ from test_qwen2_towers import (
 
 from qvl.kernels import force_backend
 from qvl.vit import Qwen2VisionConfig, Qwen2VisionTransformer, VisionTransformer, load_tower, patch_model, tower_from_hf
+from qvl.vit.families import config_from_dict, config_from_hf
 from towers import pixel_values_for, randomize, run_two_ranks
 
 # Batches for the ranks and the compiled tower: images with partial windows, a video (its frames split over the
@@ -102,7 +103,7 @@ def test_from_hf_is_the_patched_transformers_tower(name):
 def test_config_from_released_config_json():
     """config.json as Qwen2-VL-7B and Qwen2.5-VL-7B ship it (legacy ``in_chans``; Qwen2-VL's ``embed_dim`` and
     ``mlp_ratio``, and its ``hidden_size`` being the merger's output)."""
-    qwen2 = Qwen2VisionConfig.from_dict(
+    qwen2 = config_from_dict(
         {
             "model_type": "qwen2_vl",
             "vision_config": {
@@ -118,11 +119,11 @@ def test_config_from_released_config_json():
                 "temporal_patch_size": 2,
             },
         }  # fmt: skip
-    )
+    )[1]
     assert (qwen2.windowed, qwen2.hidden_size, qwen2.intermediate_size) == (False, 1280, 5120)
     assert qwen2.out_hidden_size == 3584
     assert (qwen2.head_dim, qwen2.hidden_act, qwen2.fullatt_block_indexes) == (80, "quick_gelu", ())
-    qwen2_5 = Qwen2VisionConfig.from_dict(
+    qwen2_5 = config_from_dict(
         {
             "model_type": "qwen2_5_vl",
             "vision_config": {
@@ -142,13 +143,13 @@ def test_config_from_released_config_json():
                 "temporal_patch_size": 2,
             },
         }  # fmt: skip
-    )
+    )[1]
     assert qwen2_5 == Qwen2VisionConfig()  # the defaults are Qwen2.5-VL-7B's
     assert (qwen2_5.windowed, qwen2_5.window_tokens, qwen2_5.patch_dim) == (True, 64, 1176)
     # transformers' own configs, full and vision, read the same through from_hf and through their dicts.
     for full in (qwen2_5_full_config(), qwen2_full_config()):
-        from_hf = Qwen2VisionConfig.from_hf(full.vision_config)
-        assert from_hf == Qwen2VisionConfig.from_hf(full) == Qwen2VisionConfig.from_dict(full.to_dict())
+        from_hf = config_from_hf(full.vision_config)[1]
+        assert from_hf == config_from_hf(full)[1] == config_from_dict(full.to_dict())[1]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,6 @@ def test_config_from_released_config_json():
     [
         (dict(hidden_act="gelu"), "Qwen2.5-VL's vision MLP must use 'silu'"),
         (dict(num_heads=3), "head_dim"),
-        (dict(fullatt_block_indexes=(4,)), "fullatt_block_indexes"),
         (dict(window_size=14), "window_size"),
         (dict(windowed=False, hidden_act="relu"), "hidden_act"),
     ],
@@ -176,7 +176,7 @@ def test_load_tower_reads_the_tower_kind_from_config_json(tmp_path):
         model = model_class(config)
         model.save_pretrained(tmp_path / name)
         tower = load_tower(tmp_path / name)
-        assert type(tower) is Qwen2VisionTransformer and tower.config == Qwen2VisionConfig.from_hf(config)
+        assert type(tower) is Qwen2VisionTransformer and tower.config == config_from_hf(config)[1]
         for key, value in model.model.visual.state_dict().items():
             torch.testing.assert_close(tower.state_dict()[key], value, rtol=0, atol=0)
     from qvl.vit.checkpoint import save_vision_checkpoint

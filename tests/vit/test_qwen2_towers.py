@@ -16,7 +16,8 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
 from qvl.vit import is_patched, patch_model, unpatch_model
-from qvl.vit.qwen2_tower import Qwen2VisionConfig, build_qwen2_metadata
+from qvl.vit.families import config_from_hf
+from qvl.vit.runner import build_tower_metadata
 from tolerance import assert_error_within
 from towers import IMAGE_TOKEN_ID, TEXT_KWARGS, TOKEN_IDS, VISION_START_TOKEN_ID, pixel_values_for, randomize
 
@@ -62,9 +63,9 @@ def fields(output) -> list[torch.Tensor]:
 
 def test_metadata_matches_transformers():
     """Window-ordered rotary positions, frame and window segments as transformers builds them."""
-    config = Qwen2VisionConfig.from_hf(Qwen2_5_VLVisionConfig(**QWEN2_5_VISION))
+    config = config_from_hf(Qwen2_5_VLVisionConfig(**QWEN2_5_VISION))[1]
     grid = torch.tensor(GRID)
-    meta = build_qwen2_metadata(grid, config)
+    meta = build_tower_metadata(grid, config)
     window_index, cu_window_seqlens = get_vision_window_index(grid, spatial_merge_size=2, window_size=56, patch_size=14)
     positions = get_vision_position_ids(grid, 2).view(-1, 4, 2)[window_index].view(-1, 2)
     torch.testing.assert_close(meta.positions, positions.int(), rtol=0, atol=0)
@@ -75,7 +76,7 @@ def test_metadata_matches_transformers():
     assert meta.window.max_window_seqlen == config.window_tokens == 16 and meta.num_tokens == 60 + 48 + 4
     assert meta.merged_token_counts == (15, 12, 1)
 
-    plain = build_qwen2_metadata(grid, Qwen2VisionConfig.from_hf(Qwen2VLVisionConfig(**QWEN2_VISION)))
+    plain = build_tower_metadata(grid, config_from_hf(Qwen2VLVisionConfig(**QWEN2_VISION))[1])
     torch.testing.assert_close(plain.positions, get_vision_position_ids(grid, 2).int(), rtol=0, atol=0)
     assert plain.window is None
     torch.testing.assert_close(plain.cu_seqlens, torch.tensor([0, 60, 84, 108, 112], dtype=torch.int32))

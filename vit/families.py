@@ -1,0 +1,253 @@
+"""Every model family qvl serves, declared once: the one place that names model types.
+
+A :class:`Family` says how to recognise a model (its ``config.model_type`` values), where its vision config
+sits in a config.json and how to read it (into a :class:`~qvl.vit.config.VisionConfig` or
+:class:`~qvl.vit.config.Qwen2VisionConfig`, which decides the qvl tower class, the metadata builder and the
+block layout), where transformers' modules keep the parts qvl calls (:class:`ModuleNames`), how its processors
+prepare images and videos (:class:`~qvl.vit.processing.Processing`), and which engine architectures carry its
+tower (vLLM's model class names, with the names of vLLM's modules where they differ from transformers').
+
+Every entry point looks the family up here: ``patch_model`` (:mod:`qvl.vit.hf_patch`), ``load_tower`` /
+``tower_from_hf`` (:mod:`qvl.vit.towers`), the towers' ``from_hf`` / ``from_pretrained``, ``qvl encode``
+(:mod:`qvl.vit.cli`) and the vLLM plugin (:mod:`qvl.vit.vllm_tower`). A family of the same tower kinds (a
+fine-tune under a model type of its own) is served by :func:`register` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+from .config import Qwen2VisionConfig, TowerConfig, VisionConfig
+from .processing import QWEN2_VL_PROCESSING, QWEN3_VL_PROCESSING, Processing
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "ModuleNames",
+    "config_from_dict",
+    "config_from_hf",
+    "family_of",
+    "family_of_config",
+    "register",
+    "supported_model_types",
+    "vllm_architectures",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleNames:
+    """Where a tower's module tree keeps the parts whose names differ between families and engines, as dotted
+    paths (a digit indexes a sequence): the MLP's input linears (one for a GELU MLP; gate and up, or one stacked
+    gate_up, for SwiGLU) and output linear under each block's ``mlp``, each merger's norm and two linears, and the
+    list of deepstack mergers."""
+
+    mlp_in: tuple[str, ...]
+    mlp_out: str
+    merger_norm: str
+    merger_fc1: str
+    merger_fc2: str
+    deepstack_mergers: str = "deepstack_merger_list"
+
+
+QWEN3_VL_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "norm", "linear_fc1", "linear_fc2")
+# Qwen3-Omni's mergers: (ln_q, mlp[0], GELU, mlp[2]), the deepstack ones in merger_list.
+QWEN3_OMNI_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "ln_q", "mlp.0", "mlp.2", "merger_list")
+QWEN2_5_VL_NAMES = ModuleNames(("gate_proj", "up_proj"), "down_proj", "ln_q", "mlp.0", "mlp.2")
+QWEN2_VL_NAMES = ModuleNames(("fc1",), "fc2", "ln_q", "mlp.0", "mlp.2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        name: for messages (``"Qwen3-VL"``).
+        model_types: ``config.model_type`` of the models holding the tower (full models; Qwen3-Omni's thinker).
+        vision_model_types: ``model_type`` of their vision configs (and so of transformers' vision modules).
+        config_class: the config the tower is read into; the qvl tower class is the one built from it.
+        config_options: keyword arguments of ``config_class.from_dict`` for this family (``deepstack=False``,
+            ``windowed=True``, ...).
+        config_path: the keys leading from a full model's config.json to its vision config.
+        names: where transformers' modules of this family keep their MLP and merger parts.
+        processing: how the family's processors prepare images and videos.
+        vllm_architectures: vLLM's model class names carrying this tower -> the vLLM module defining each.
+        vllm_names: where vLLM's modules keep those parts (default: ``names``).
+        sglang_architectures: SGLang's model class names carrying this tower.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    vision_model_types: tuple[str, ...]
+    config_class: type
+    names: ModuleNames
+    processing: Processing
+    config_options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    config_path: tuple[str, ...] = ("vision_config",)
+    vllm_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    vllm_names: ModuleNames | None = None
+    sglang_architectures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config_options", types.MappingProxyType(dict(self.config_options)))
+        object.__setattr__(self, "vllm_architectures", types.MappingProxyType(dict(self.vllm_architectures)))
+
+    @property
+    def all_model_types(self) -> tuple[str, ...]:
+        return self.model_types + self.vision_model_types
+
+    def vision_section(self, values: dict) -> dict:
+        """The vision config inside a config.json dict of this family (a full model's, or the vision config
+        itself)."""
+        for key in self.config_path:
+            if key not in values:
+                break
+            values = values[key]
+        return values
+
+    def read_config(self, values: dict) -> TowerConfig:
+        """The tower config of a config.json dict (full or vision) of this family."""
+        return self.config_class.from_dict(self.vision_section(values), **self.config_options)
+
+
+_QWEN3_VL_MODULE = "vllm.model_executor.models.qwen3_vl"
+_QWEN3_5_MODULE = "vllm.model_executor.models.qwen3_5"
+
+FAMILIES: list[Family] = [
+    Family(
+        "Qwen3-VL",
+        ("qwen3_vl",),
+        ("qwen3_vl_vision",),
+        VisionConfig,
+        QWEN3_VL_NAMES,
+        QWEN3_VL_PROCESSING,
+        vllm_architectures={"Qwen3VLForConditionalGeneration": _QWEN3_VL_MODULE},
+    ),
+    Family(
+        "Qwen3-VL-MoE",
+        ("qwen3_vl_moe",),
+        ("qwen3_vl_moe_vision",),
+        VisionConfig,
+        QWEN3_VL_NAMES,
+        QWEN3_VL_PROCESSING,
+        vllm_architectures={"Qwen3VLMoeForConditionalGeneration": "vllm.model_executor.models.qwen3_vl_moe"},
+    ),
+    Family(
+        "Qwen3.5",
+        ("qwen3_5",),
+        ("qwen3_5_vision",),
+        VisionConfig,
+        QWEN3_VL_NAMES,
+        QWEN3_VL_PROCESSING,
+        config_options={"deepstack": False},
+        vllm_architectures={"Qwen3_5ForConditionalGeneration": _QWEN3_5_MODULE},
+    ),
+    Family(
+        "Qwen3.5-MoE",
+        ("qwen3_5_moe",),
+        ("qwen3_5_moe_vision",),
+        VisionConfig,
+        QWEN3_VL_NAMES,
+        QWEN3_VL_PROCESSING,
+        config_options={"deepstack": False},
+        vllm_architectures={"Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MODULE},
+    ),
+    Family(
+        "Qwen3-Omni-MoE",
+        ("qwen3_omni_moe", "qwen3_omni_moe_thinker"),
+        ("qwen3_omni_moe_vision_encoder",),
+        VisionConfig,
+        QWEN3_OMNI_NAMES,
+        QWEN3_VL_PROCESSING,
+        config_path=("thinker_config", "vision_config"),
+    ),
+    Family(
+        "Qwen2.5-VL",
+        ("qwen2_5_vl",),
+        ("qwen2_5_vl_vision",),
+        Qwen2VisionConfig,
+        QWEN2_5_VL_NAMES,
+        QWEN2_VL_PROCESSING,
+        config_options={"windowed": True},
+        vllm_architectures={"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"},
+        # vLLM stacks gate and up into one linear.
+        vllm_names=dataclasses.replace(QWEN2_5_VL_NAMES, mlp_in=("gate_up_proj",)),
+    ),
+    Family(
+        "Qwen2-VL",
+        ("qwen2_vl",),
+        ("qwen2_vl_vision",),
+        Qwen2VisionConfig,
+        QWEN2_VL_NAMES,
+        QWEN2_VL_PROCESSING,
+        config_options={"windowed": False},
+        vllm_architectures={"Qwen2VLForConditionalGeneration": "vllm.model_executor.models.qwen2_vl"},
+    ),
+]
+# A config.json without any model_type is read as a bare Qwen3-VL vision config.
+DEFAULT_FAMILY = FAMILIES[0]
+
+
+def register(family: Family) -> Family:
+    """Add a family (a fine-tune of one of these towers under model types of its own); returns it. Raises
+    ValueError when one of its model types or vLLM architectures is already taken."""
+    taken = {model_type for known in FAMILIES for model_type in known.all_model_types}
+    clash = sorted(taken.intersection(family.all_model_types))
+    taken_archs = {arch for known in FAMILIES for arch in known.vllm_architectures}
+    clash += sorted(taken_archs.intersection(family.vllm_architectures))
+    if clash:
+        raise ValueError(f"register: {family.name} names what another family holds: {clash}")
+    FAMILIES.append(family)
+    return family
+
+
+def family_of(model_type: str | None) -> Family | None:
+    """The family a model's or vision config's ``model_type`` belongs to, or None."""
+    return next((family for family in FAMILIES if model_type in family.all_model_types), None)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """Every ``model_type`` qvl serves, full models' and vision configs'."""
+    return tuple(model_type for family in FAMILIES for model_type in family.all_model_types)
+
+
+def _unsupported(model_type: object) -> ValueError:
+    return ValueError(
+        f"unsupported model_type {model_type!r}: qvl runs the vision towers of {', '.join(supported_model_types())}"
+    )
+
+
+def family_of_config(values: dict) -> Family:
+    """The family of a config.json dict, by its ``model_type`` (a full model's, else its vision config's); one
+    without any is a bare Qwen3-VL vision config. Raises ValueError naming an unsupported model type."""
+    vision = values.get("vision_config") or {}
+    model_type = values.get("model_type") or vision.get("model_type")
+    if model_type is None:
+        return DEFAULT_FAMILY
+    family = family_of(model_type)
+    if family is None:
+        raise _unsupported(model_type)
+    return family
+
+
+def config_from_dict(values: dict) -> tuple[Family, TowerConfig]:
+    """``(family, tower config)`` of a config.json dict (a full model's or a vision config)."""
+    family = family_of_config(values)
+    return family, family.read_config(values)
+
+
+def config_from_hf(hf_config: object) -> tuple[Family, TowerConfig]:
+    """``(family, tower config)`` of a transformers config: a vision config, or a full model's (its
+    ``vision_config``; Qwen3-Omni's through ``thinker_config``). Raises ValueError for an unsupported one."""
+    vision = getattr(getattr(hf_config, "thinker_config", hf_config), "vision_config", hf_config)
+    model_type = getattr(vision, "model_type", None)
+    family = family_of(model_type)
+    if family is None or model_type not in family.vision_model_types:
+        raise _unsupported(model_type)
+    return family, family.config_class.from_dict(vision.to_dict(), **family.config_options)
+
+
+def vllm_architectures() -> dict[str, tuple[Family, str]]:
+    """vLLM's model class name -> (family, the vLLM module defining it), over every family."""
+    return {arch: (family, module) for family in FAMILIES for arch, module in family.vllm_architectures.items()}

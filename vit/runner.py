@@ -1,0 +1,500 @@
+"""One tower forward over any module tree: host metadata -> device forward -> outputs.
+
+Every tower qvl runs, of every family and under every entry point (its own tower classes, a transformers model
+patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.vllm_tower`), goes through
+:class:`TowerRunner`:
+
+* **host part** (:meth:`TowerRunner.metadata`): ``grid_thw`` -> :class:`~qvl.vit.metadata.VisionMetadata`, built
+  with numpy once per batch: segments, rotary positions, the position-table interpolation plan (towers with a
+  table) and the window layout (windowed towers, positions then in window order);
+* **device part** (:func:`device_forward`): tensors in, ``(last_hidden_state, merged, deepstack)`` out, with
+  nothing read back to the host, so :meth:`TowerRunner.compile` compiles it once for every batch shape.
+
+The device forward is a sequence of module steps, each reading the parameters of one module only: the patch
+embedding (:func:`embed_step`), each block (:func:`block_step`) and each merger (:func:`merger_step`). Fusion
+stays inside a block: block ``i`` hands block ``i + 1`` its residual stream and its MLP output unsummed, and
+block ``i + 1`` adds them in the same op as its first norm (with its own norm's weights), so no block reads
+another block's parameters.
+
+A module tree has transformers' layout (``patch_embed.proj``, ``pos_embed``, ``blocks.{i}.norm1`` / ``attn.qkv`` /
+``attn.proj`` / ``norm2`` / ``mlp``, ``merger``, deepstack mergers); where its MLP and merger parts live is the
+family's :class:`~qvl.vit.families.ModuleNames`. Norms are read from the modules: ``nn.LayerNorm`` runs as
+LayerNorm, any other norm (transformers' ``Qwen2RMSNorm``, vLLM's ``RMSNorm``) as RMSNorm with its
+``variance_epsilon`` (or ``eps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
+
+from .config import TowerConfig
+from .families import ModuleNames
+from .layers import (
+    AllReduce,
+    Product,
+    column_parallel_input,
+    embed_patches,
+    linear_parts,
+    needs_grad,
+    patch_merger,
+    row_parallel_linear,
+    stacked_swiglu_mlp,
+    swiglu_mlp,
+    vision_mlp,
+)
+from .metadata import VisionMetadata, build_metadata, build_window_metadata
+
+__all__ = [
+    "DeviceInputs",
+    "LinearParts",
+    "TowerOutputs",
+    "TowerRunner",
+    "TowerSpec",
+    "block_step",
+    "build_tower_metadata",
+    "call_compiled",
+    "device_forward",
+    "embed_step",
+    "merger_step",
+]
+
+# A linear module -> (weight or bias-less product, bias), the arguments the layer functions take for it.
+LinearParts = Callable[[nn.Module], tuple[torch.Tensor | Product, torch.Tensor | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerSpec:
+    """What the device forward reads besides tensors and modules: constants of one tower.
+
+    Attributes:
+        num_heads: attention heads held by the module tree: all of them, or this rank's share under tensor
+            parallelism. head_dim: their width.
+        rope_theta: the 2D rotary's base. spatial_merge_size: the merge block's side.
+        deepstack_visual_indexes: blocks after which a deepstack merger taps the residual stream.
+        windowed: blocks outside ``full_attention_blocks`` attend within windows (Qwen2.5-VL) of at most
+            ``window_tokens`` tokens (their ``max_seqlen`` tile hint).
+        position_table: the tower adds its learned position table, resampled per image (Qwen3-VL's family).
+        mlp_activation: ``"swiglu"``, or the GELU of a two-linear MLP as bias_gelu names it.
+        names: where the module tree keeps its MLP and merger parts.
+    """
+
+    num_heads: int
+    head_dim: int
+    rope_theta: float
+    spatial_merge_size: int
+    deepstack_visual_indexes: tuple[int, ...]
+    windowed: bool
+    full_attention_blocks: tuple[int, ...]
+    window_tokens: int | None
+    position_table: bool
+    mlp_activation: str
+    names: ModuleNames
+
+    @classmethod
+    def of(cls, config: TowerConfig, names: ModuleNames, num_heads: int | None = None) -> TowerSpec:
+        """The spec of a tower of ``config`` whose module tree holds ``num_heads`` heads (default: all)."""
+        return cls(
+            num_heads=config.num_heads if num_heads is None else num_heads,
+            head_dim=config.head_dim,
+            rope_theta=config.rope_theta,
+            spatial_merge_size=config.spatial_merge_size,
+            deepstack_visual_indexes=tuple(config.deepstack_visual_indexes),
+            windowed=config.windowed,
+            full_attention_blocks=tuple(config.full_attention_blocks),
+            window_tokens=config.window_tokens if config.windowed else None,
+            position_table=config.num_grid_per_side is not None,
+            mlp_activation=config.mlp_activation,
+            names=names,
+        )
+
+
+class DeviceInputs(NamedTuple):
+    """The metadata the device forward takes, on the tower's device (see :class:`VisionMetadata`): tensors, None
+    where the tower has no use for them, and the host int ``max_seqlen`` (the full-attention blocks' tile hint;
+    None: no hint)."""
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    window_index: torch.Tensor | None
+    reverse_index: torch.Tensor | None
+    cu_window_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+
+    @classmethod
+    def of(cls, meta: VisionMetadata, hint: bool = True) -> DeviceInputs:
+        """``meta``'s device tensors; ``hint=False`` leaves ``max_seqlen`` None (a captured graph replays other
+        batches than the one it was captured on)."""
+        window = meta.window
+        return cls(
+            meta.cu_seqlens,
+            meta.positions,
+            meta.interp_indices,
+            meta.interp_weights,
+            None if window is None else window.window_index,
+            None if window is None else window.reverse_index,
+            None if window is None else window.cu_window_seqlens,
+            meta.max_seqlen if hint else None,
+        )
+
+
+class TowerOutputs(NamedTuple):
+    """A device forward's results: ``last_hidden_state (T, C)`` (in the blocks' token order: window order for a
+    windowed tower, as transformers returns it), ``merged (T / m^2, out_hidden)`` in the input's order, and the
+    deepstack mergers' outputs of the same shape (an empty list for towers without them)."""
+
+    last_hidden_state: torch.Tensor | None
+    merged: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+def build_tower_metadata(grid_thw, config: TowerConfig, device=None) -> VisionMetadata:
+    """The host metadata of one batch for a tower of ``config``: :func:`build_metadata` (with the interpolation
+    plan where the tower has a position table) and, for a windowed tower, its window layout, the rotary positions
+    then permuted into window order. Moved to ``device`` once; never reads a device tensor."""
+    merge = config.spatial_merge_size
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if not config.windowed:
+        return build_metadata(grid_thw, merge, config.num_grid_per_side, device)
+    meta = build_metadata(grid_thw, merge, config.num_grid_per_side)
+    window = build_window_metadata(meta.grid_thw, merge, config.window_size, config.patch_size)
+    positions = meta.positions.view(-1, merge * merge, 2)[window.window_index].view(-1, 2)
+    return dataclasses.replace(meta, positions=positions.contiguous(), window=window).to(device)
+
+
+def _part(module: nn.Module, path: str) -> nn.Module:
+    for name in path.split("."):
+        module = module[int(name)] if name.isdigit() else getattr(module, name)
+    return module
+
+
+def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """``(weight, bias, eps)`` of a LayerNorm; ``(weight, None, eps)`` of an RMSNorm."""
+    if isinstance(norm, nn.LayerNorm):
+        return norm.weight, norm.bias, norm.eps
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.weight, None, norm.eps if eps is None else eps
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight, bias, eps = _norm_parts(norm)
+    if bias is None:
+        return torch.ops.qvl.rms_norm(x, weight, eps)
+    return torch.ops.qvl.layer_norm(x, weight, bias, eps)
+
+
+def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))`` in one fused op."""
+    weight, bias, eps = _norm_parts(norm)
+    if bias is None:
+        return torch.ops.qvl.add_rms_norm(x, delta, weight, eps)
+    return torch.ops.qvl.add_layer_norm(x, delta, weight, bias, eps)
+
+
+def embed_step(tree: nn.Module, spec: TowerSpec, pixel_values: torch.Tensor, inputs: DeviceInputs) -> torch.Tensor:
+    """The patch embedding (one matmul), the resampled position table added where the tower has one, and for a
+    windowed tower the tokens put into window order by whole merge units. Returns the first block's input
+    ``(T, C)``."""
+    x = embed_patches(tree.patch_embed.proj, pixel_values)
+    if spec.position_table:
+        table = tree.pos_embed.weight
+        if needs_grad(x, table):
+            x = x + torch.ops.qvl.pos_embed_interp(table, inputs.interp_indices, inputs.interp_weights).to(x.dtype)
+        else:
+            torch.ops.qvl.pos_embed_interp_add_(x, table, inputs.interp_indices, inputs.interp_weights)
+    if spec.windowed:
+        unit = spec.spatial_merge_size**2
+        x = x.view(-1, unit, x.shape[1]).index_select(0, inputs.window_index).view(-1, x.shape[1])
+    return x
+
+
+def _mlp(mlp: nn.Module, h: torch.Tensor, spec: TowerSpec, all_reduce, linear: LinearParts) -> torch.Tensor:
+    names = spec.names
+    down = linear(_part(mlp, names.mlp_out))
+    if spec.mlp_activation != "swiglu":
+        return vision_mlp(h, *linear(_part(mlp, names.mlp_in[0])), *down, all_reduce, spec.mlp_activation)
+    if len(names.mlp_in) == 1:  # gate and up as one stacked linear (vLLM's gate_up_proj)
+        return stacked_swiglu_mlp(h, *linear(_part(mlp, names.mlp_in[0])), *down, all_reduce)
+    gate, up = (linear(_part(mlp, name)) for name in names.mlp_in)
+    return swiglu_mlp(h, *gate, *up, *down, all_reduce)
+
+
+def block_step(
+    block: nn.Module,
+    windowed: bool,
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    spec: TowerSpec,
+    inputs: DeviceInputs,
+    all_reduce: AllReduce | None = None,
+    linear: LinearParts = linear_parts,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block on the residual stream ``x + delta`` (``delta`` None: ``x`` alone), reading only this block's
+    parameters; ``windowed``: it attends within windows (``inputs.cu_window_seqlens``), else over whole frames.
+    Returns ``(x, m)``, whose sum is the block's output: ``x`` the stream after attention, ``m`` the MLP's output,
+    left for the next block's fused add + norm."""
+    if delta is None:
+        h = _norm(block.norm1, x)
+    else:
+        x, h = _add_norm(block.norm1, x, delta)
+    if windowed:
+        segments, max_seqlen = inputs.cu_window_seqlens, spec.window_tokens
+    else:
+        segments, max_seqlen = inputs.cu_seqlens, inputs.max_seqlen
+    attn = block.attn
+    qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(attn.qkv), None)
+    q, k, v = qkv.view(qkv.shape[0], 3, spec.num_heads, spec.head_dim).unbind(1)
+    a = torch.ops.qvl.vision_attn(
+        q, k, v, segments, max_seqlen=max_seqlen, positions=inputs.positions, rope_theta=spec.rope_theta
+    )
+    a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
+    x, h = _add_norm(block.norm2, x, a)
+    return x, _mlp(block.mlp, h, spec, all_reduce, linear)
+
+
+def merger_step(
+    merger: nn.Module,
+    x: torch.Tensor,
+    spec: TowerSpec,
+    postshuffle_norm: bool,
+    all_reduce: AllReduce | None = None,
+    linear: LinearParts = linear_parts,
+) -> torch.Tensor:
+    """A patch merger on ``x (T, C)``: norm per token then merge (the main merger) or merge then norm
+    (``postshuffle_norm``: Qwen3-VL's deepstack mergers), fc1, exact GELU, fc2. Returns ``(T / m^2, out)``."""
+    names = spec.names
+    weight, bias, eps = _norm_parts(_part(merger, names.merger_norm))
+    return patch_merger(
+        x,
+        weight,
+        bias,
+        *linear(_part(merger, names.merger_fc1)),
+        *linear(_part(merger, names.merger_fc2)),
+        spatial_merge_size=spec.spatial_merge_size,
+        postshuffle_norm=postshuffle_norm,
+        eps=eps,
+        all_reduce=all_reduce,
+    )
+
+
+def device_forward(
+    tree: nn.Module,
+    spec: TowerSpec,
+    pixel_values: torch.Tensor,
+    inputs: DeviceInputs,
+    *,
+    all_reduce: AllReduce | None = None,
+    linear: LinearParts | None = None,
+    hidden_states_out: list[torch.Tensor] | None = None,
+    checkpoint_blocks: bool = False,
+) -> TowerOutputs:
+    """The device part of a tower's forward over a module tree with transformers' layout.
+
+    Args:
+        tree: the tower's modules: qvl's own tower, a transformers vision model, vLLM's.
+        spec: the tower's constants (:class:`TowerSpec`).
+        pixel_values: ``(T, in_channels * temporal_patch_size * patch_size**2)`` patches in merge-block order (the
+            processor's output), in any float dtype (cast to the patch embedding's).
+        inputs: the batch's metadata on the tree's device (:meth:`DeviceInputs.of`).
+        all_reduce: under tensor parallelism, sums the row-parallel partial products over the ranks (each rank's
+            tree then holds its heads and its slices of the MLP and merger widths). None: one process.
+        linear: maps each linear module (qkv, proj, the MLP's and mergers' linears) to its ``(weight, bias)`` as
+            the layer functions take them; the weight may be a :data:`~qvl.vit.layers.Product`. None (the
+            default) is :func:`~qvl.vit.layers.linear_parts`: a plain ``nn.Linear``'s weight and bias, any other
+            module in its place (a PEFT LoRA adapter, a hooked linear) called.
+        hidden_states_out: a list that receives the residual stream as transformers' ``output_hidden_states``
+            records it: the first block's input, then each block's output, ``depth + 1`` new tensors ``(T, C)``.
+        checkpoint_blocks: run each block under activation checkpointing (recomputed in backward), as
+            transformers' ``gradient_checkpointing_enable()`` does.
+
+    Forward and backward: every op has a backward, and the in-place ones give way to out-of-place forms where
+    autograd records them. Returns :class:`TowerOutputs`.
+    """
+    linear = linear or linear_parts
+    x = embed_step(tree, spec, pixel_values, inputs)
+    # int(): under torch.compile(dynamic=True) ints read from a plain object may arrive symbolic, and Dynamo then
+    # took ``index in (symbolic ints)`` for False and dropped the deepstack features; int() specializes them.
+    deepstack_mergers = {int(layer): n for n, layer in enumerate(spec.deepstack_visual_indexes)}
+    full_attention_blocks = {int(index) for index in spec.full_attention_blocks}
+    blocks = tree.blocks
+    if hidden_states_out is not None:
+        hidden_states_out.append(x)
+    deepstack, delta = [], None
+    for index, block in enumerate(blocks):
+        windowed = spec.windowed and index not in full_attention_blocks
+        if checkpoint_blocks:
+            x, delta = torch.utils.checkpoint.checkpoint(
+                block_step, block, windowed, x, delta, spec, inputs, all_reduce, linear, use_reentrant=False
+            )
+        else:
+            x, delta = block_step(block, windowed, x, delta, spec, inputs, all_reduce, linear)
+        # The block's output, summed where something reads it; elsewhere the next block's norm adds it.
+        if index + 1 == len(blocks) or index in deepstack_mergers or hidden_states_out is not None:
+            x, delta = x + delta, None
+        if hidden_states_out is not None:
+            hidden_states_out.append(x)
+        if index in deepstack_mergers:
+            merger = getattr(tree, spec.names.deepstack_mergers)[deepstack_mergers[index]]
+            deepstack.append(merger_step(merger, x, spec, True, all_reduce, linear))
+    merged = merger_step(tree.merger, x, spec, False, all_reduce, linear)
+    if spec.windowed:
+        merged = merged.index_select(0, inputs.reverse_index)
+    return TowerOutputs(x, merged, deepstack)
+
+
+class TowerRunner:
+    """Host metadata -> device forward -> outputs, over one module tree.
+
+    Args:
+        tree: the tower's modules (see :func:`device_forward`).
+        config: the tower's config (:class:`~qvl.vit.config.VisionConfig` or
+            :class:`~qvl.vit.config.Qwen2VisionConfig`).
+        names: where ``tree`` keeps its MLP and merger parts.
+        num_heads: heads ``tree`` holds (default: all of ``config``'s).
+        all_reduce, linear: as for :func:`device_forward`.
+        prepare_pixels: applied to the pixel values on the device before the patch embedding (vLLM's
+            ``input_norm``); None: none.
+    """
+
+    def __init__(
+        self,
+        tree: nn.Module,
+        config: TowerConfig,
+        names: ModuleNames,
+        *,
+        num_heads: int | None = None,
+        all_reduce: AllReduce | None = None,
+        linear: LinearParts | None = None,
+        prepare_pixels: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.tree = tree
+        self.config = config
+        self.spec = TowerSpec.of(config, names, num_heads)
+        self.all_reduce = all_reduce
+        self.linear = linear
+        self.prepare_pixels = prepare_pixels
+        self._forward = _Forward(self.spec, all_reduce, linear)
+        self._compiled = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tree.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tree.patch_embed.proj.weight.dtype
+
+    def metadata(self, grid_thw) -> VisionMetadata:
+        """The host metadata of a batch (``grid_thw``: CPU tensor, numpy array or list of (t, h, w)), on the
+        tree's device."""
+        return build_tower_metadata(grid_thw, self.config, self.device)
+
+    def compile(self, **compile_kwargs) -> None:
+        """Compile the device part with the token dim dynamic (``fullgraph=True, dynamic=True`` unless
+        ``compile_kwargs`` says otherwise); later calls of :meth:`run_device` without hidden states or
+        checkpointing take the compiled code."""
+        options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
+        self._compiled = torch.compile(self._forward, **options)
+
+    def run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(merged, deepstack)`` of the device part on device tensors: compiled after :meth:`compile`, else
+        eager."""
+        if self._compiled is None:
+            return self._forward(self.tree, pixel_values, inputs)
+        return call_compiled(self._compiled, self.tree, pixel_values, inputs)
+
+    def empty_outputs(self) -> TowerOutputs:
+        """The outputs of an empty batch (no device forward runs)."""
+        empty = torch.empty(0, self.config.out_hidden_size, dtype=self.dtype, device=self.device)
+        last = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        return TowerOutputs(last, empty, [empty.clone() for _ in self.spec.deepstack_visual_indexes])
+
+    def _pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        pixel_values = pixel_values.to(self.device, non_blocking=True)
+        return pixel_values if self.prepare_pixels is None else self.prepare_pixels(pixel_values)
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        meta: VisionMetadata,
+        *,
+        hidden_states_out: list[torch.Tensor] | None = None,
+        checkpoint_blocks: bool = False,
+    ) -> TowerOutputs:
+        """The device part of a batch whose metadata is built (``hidden_states_out``, ``checkpoint_blocks``: see
+        :func:`device_forward`, which runs eagerly for them; other calls take :meth:`run_device`)."""
+        if meta.num_tokens == 0:
+            return self.empty_outputs()
+        pixels, inputs = self._pixels(pixel_values), DeviceInputs.of(meta)
+        if hidden_states_out is None and not checkpoint_blocks:
+            return TowerOutputs(None, *self.run_device(pixels, inputs))
+        return device_forward(
+            self.tree,
+            self.spec,
+            pixels,
+            inputs,
+            all_reduce=self.all_reduce,
+            linear=self.linear,
+            hidden_states_out=hidden_states_out,
+            checkpoint_blocks=checkpoint_blocks,
+        )
+
+    def encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(merged, deepstack)`` of a batch from its checked ``grid`` (a parallel strategy's ``encode``)."""
+        outputs = self.encode(pixel_values, self.metadata(grid))
+        return outputs.merged, outputs.deepstack
+
+
+class _Forward(nn.Module):
+    """:func:`device_forward` (merged and deepstack features) as a module's forward: torch.compile keeps the
+    ints of a module's attributes (the spec) constant, where a plain object's would become symbolic under
+    ``dynamic=True`` (and a symbolic head count hides that q, k and v are views of one buffer, which costs copies).
+    Holds no parameters: the tree is an argument."""
+
+    def __init__(self, spec: TowerSpec, all_reduce: AllReduce | None, linear: LinearParts | None):
+        super().__init__()
+        self.spec = spec
+        self.all_reduce = all_reduce
+        self.linear = linear
+
+    def forward(self, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs):
+        outputs = device_forward(tree, self.spec, pixel_values, inputs, all_reduce=self.all_reduce, linear=self.linear)
+        return outputs.merged, outputs.deepstack
+
+
+def call_compiled(compiled, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs):
+    """Call a compiled device part so that every batch reuses one graph: each tensor's first (token) dim marked
+    dynamic, and the pixel values made a fresh tensor when they are a view with an offset (Dynamo guards on a
+    view's storage offset)."""
+    if pixel_values.storage_offset() != 0:
+        pixel_values = pixel_values.clone()
+    for tensor in (pixel_values, *inputs):
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    # Float attributes (norm eps, rope theta) stay constants: as symbolic floats they make a training graph's
+    # scalar pass restart the whole trace.
+    with _size_oblivious_tracing(), torch._dynamo.config.patch(specialize_float=True):
+        return compiled(tree, pixel_values, inputs)
+
+
+def _size_oblivious_tracing() -> contextlib.AbstractContextManager:
+    """Trace with token counts of 1 left unspecialized (one 2x2 image has one merged token), so no batch
+    shape triggers a recompile. The switch lives in a private torch module: without it, a count of 1 costs
+    one extra compile and nothing else."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+
+        return fx_config.patch(backed_size_oblivious=True)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
