@@ -58,13 +58,17 @@ def test_vllm_plugin_is_declared_and_harmless_without_vllm():
 
 
 def module_imports() -> dict[str, set[str]]:
-    """For each module of qvl (``qvl.kernels.*``, ``qvl.vit.*``) and bench, the modules it imports, read from
-    the source (any depth: function-level imports count too), with relative imports resolved."""
+    """For each module of qvl (``qvl.kernels.*``, ``qvl.vit.*``, subpackages included) and bench, the modules it
+    imports, read from the source (any depth: function-level imports count too), with relative imports
+    resolved."""
     packages = {"qvl.kernels": ROOT / "kernels", "qvl.vit": ROOT / "vit", "bench": ROOT / "bench"}
     imports = {}
     for package, folder in packages.items():
-        for path in sorted(folder.glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts[:-1])) if path.stem == "__init__" else ".".join((package, *parts))
+            # The package a relative import starts from: the module's own when it is a package's __init__.
+            container = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
             found = set()
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Import):
@@ -72,7 +76,7 @@ def module_imports() -> dict[str, set[str]]:
                 elif isinstance(node, ast.ImportFrom):
                     base = node.module or ""
                     if node.level:
-                        parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                        parent = container.rsplit(".", node.level - 1)[0] if node.level > 1 else container
                         base = f"{parent}.{base}" if base else parent
                     found.add(base)
                     found.update(f"{base}.{alias.name}" for alias in node.names)
