@@ -2,15 +2,15 @@
 
 Importing this package registers the ops; nothing is compiled and no GPU is queried at import.
 Each module holds one kernel family (Triton kernel, launch configuration, launcher, op registration,
-torch reference): ``attention`` (vision_attn), ``rotary`` (rotary_2d, rotary_2d_), ``pos_embed``
-(pos_embed_interp, pos_embed_interp_add_), ``layer_norm`` (layer_norm, add_layer_norm), ``rms_norm``
-(rms_norm, add_rms_norm), ``gelu`` (bias_gelu, bias_gelu_: erf, tanh and quick GELU), ``swiglu``
-(bias_swiglu). The out-of-place ops of pos_embed, layer_norm, rms_norm, gelu and swiglu have a backward
-(``torch.library.register_autograd``, itself a custom op ``*_backward``); their in-place ops refuse
-gradients. ``tiles`` holds what two families share (Triton device functions, the backward's partial-sum
-reduction, the in-place ops' autograd guard); ``common`` chooses the path each call takes and checks
-arguments. Single-device ops only: composing them into layers, and distributing them, is :mod:`qvl.vit`'s
-business.
+torch reference): ``attention`` (vision_attn; a package of ``config``, ``forward`` and ``backward``),
+``rotary`` (rotary_2d, rotary_2d_), ``pos_embed`` (pos_embed_interp, pos_embed_interp_add_), ``layer_norm``
+(layer_norm, add_layer_norm), ``rms_norm`` (rms_norm, add_rms_norm), ``gelu`` (bias_gelu, bias_gelu_: erf,
+tanh and quick GELU), ``swiglu`` (bias_swiglu). The out-of-place ops of pos_embed, layer_norm, rms_norm, gelu
+and swiglu have a backward (``torch.library.register_autograd``, itself a custom op ``*_backward``); their
+in-place ops refuse gradients. ``tiles`` holds what two families share (Triton device functions, the
+row-wise epilogues' tiles, the backward's partial-sum reduction); ``common`` chooses the path each call takes
+(the autograd routing included) and checks arguments. Single-device ops only: composing them into layers,
+and distributing them, is :mod:`qvl.vit`'s business.
 """
 
 import sys as _sys

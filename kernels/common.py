@@ -1,4 +1,4 @@
-"""What every qvl kernel needs: which path runs, the device guard, and argument checks.
+"""What every qvl kernel needs: which path runs (autograd routing included), the device guard, and argument checks.
 
 Three paths run a qvl op, chosen per call from the input's device:
 
@@ -14,6 +14,10 @@ process; users can use it to compare paths).
 Checks that read tensor *values* (for example that ``cu_seqlens`` is monotonic) run on CPU inputs
 always, and on CUDA inputs only when value checks are switched on with ``QVL_CHECK_INPUTS=1`` or
 :func:`set_value_checks`, because they need a device-to-host sync.
+
+Under autograd a call may take another path: :func:`route_autograd` gives an op its own kernel on the
+autograd keys (attention's training forward, which also saves the log-sum-exp), and :func:`refuse_autograd`
+makes the in-place ops, which torch.library cannot give a backward, refuse calls that would need one.
 
 Each kernel family chooses its launch configuration with one pure function of shapes, dtype and
 :func:`device_target`, and describes its launches as :class:`KernelLaunch` values: the launcher runs them,
@@ -49,6 +53,8 @@ __all__ = [
     "device_guard",
     "device_target",
     "force_backend",
+    "refuse_autograd",
+    "route_autograd",
     "rows_16_byte_aligned",
     "run_launches",
     "set_value_checks",
@@ -71,8 +77,17 @@ ADA = GPUTarget("cuda", 89, 32)
 INTERPRETER = GPUTarget("interpreter", 0, 1)
 # The most shared memory one block may use, by compute capability (CUDA C++ Programming Guide, "Technical
 # Specifications per Compute Capability"): 99 KiB on the consumer parts 8.6, 8.9 and 12.x.
-_SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
-                            90: 227 * 1024, 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}  # fmt: skip
+_SHARED_MEMORY_PER_BLOCK = {
+    75: 64 * 1024,
+    80: 163 * 1024,
+    86: 99 * 1024,
+    87: 163 * 1024,
+    89: 99 * 1024,
+    90: 227 * 1024,
+    100: 227 * 1024,
+    103: 227 * 1024,
+    120: 99 * 1024,
+}
 
 _state = threading.local()
 _value_checks = os.environ.get("QVL_CHECK_INPUTS", "0") not in ("", "0")
@@ -160,16 +175,17 @@ def shared_memory_per_block(target: GPUTarget) -> int | None:
 
 
 class KernelLaunch(NamedTuple):
-    """One launch as data, ``kernel[grid](*args, **kwargs)``: what a launcher runs and what
-    :func:`compile_launch` compiles."""
+    """One launch as data, ``kernel[grid](**args, **kwargs)``: what a launcher runs and what
+    :func:`compile_launch` compiles. ``args`` holds the kernel's tensors and scalars by parameter name (grouped
+    by the launcher as the kernel groups its parameters), ``kwargs`` its meta-parameters and compile options."""
 
     kernel: Any
     grid: tuple[int, ...]
-    args: tuple
+    args: dict[str, Any]
     kwargs: dict[str, Any]
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        self.kernel[self.grid](**self.args, **self.kwargs)
 
 
 def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None:
@@ -211,7 +227,7 @@ def compile_launch(launch: KernelLaunch, target: GPUTarget) -> Any:
     }
     if hasattr(triton.knobs.compilation, "fpsan_homomorphic_casts"):
         kwargs["fpsan_homomorphic_casts"] = triton.knobs.compilation.fpsan_homomorphic_casts
-    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    bound_args, specialization, options = binder(**launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
@@ -284,3 +300,44 @@ def check_cu_seqlens(
         raise ValueError(f"{op}: cu_seqlens must end at the token count {num_tokens}, got {int(values[-1])}")
     if values.numel() > 1 and bool((values[1:] < values[:-1]).any()):
         raise ValueError(f"{op}: cu_seqlens must be non-decreasing, got {values.tolist()}")
+
+
+# The library fragment holding the kernels route_autograd registers (kept alive with the module).
+_AUTOGRAD_KEYS = torch.library.Library("qvl", "FRAGMENT")
+
+
+def route_autograd(op: str, under_grad) -> None:
+    """Give ``qvl::<op>`` its own kernel on the AutogradCPU / AutogradCUDA keys: with grad mode on and a tensor
+    argument requiring grad the call runs ``under_grad(*args)``; otherwise it goes to the keys below autograd,
+    as the custom op's own no-grad path does (inference is unchanged, eager or compiled).
+
+    The dispatcher prefers these per-backend keys to the custom op's ``Autograd`` registration, and they still
+    see the caller's grad mode (the op body runs under the autograd function's no-grad). The check reads Python
+    attributes only.
+    """
+    overload = getattr(torch.ops.qvl, op).default
+
+    def route(keyset, *args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return under_grad(*args)
+        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        _AUTOGRAD_KEYS.impl(op, route, key, with_keyset=True)
+
+
+def refuse_autograd(op: str, alternative: str) -> None:
+    """Make the in-place op ``qvl::<op>`` raise a RuntimeError naming ``alternative`` when autograd would record
+    it (:func:`route_autograd`). torch.library gives mutating custom ops no autograd formula
+    (``register_autograd`` refuses non-functional schemas); without this guard such a call would mutate its input
+    and silently leave the autograd graph believing the old value."""
+    message = (
+        f"qvl::{op} mutates its input and has no backward (torch.library supports autograd for functional "
+        f"custom ops only); under torch.no_grad() or with inputs that do not require grad it runs as usual. "
+        f"For gradients use the out-of-place {alternative}."
+    )
+
+    def refuse(*args):
+        raise RuntimeError(message)
+
+    route_autograd(op, refuse)

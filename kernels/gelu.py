@@ -3,8 +3,8 @@
 QuickGELU ``x * sigmoid(1.702 x)`` for Qwen2-VL's blocks' MLP).
 
 The kernel is memory bound: it reads x and the bias once and writes once, computing in fp32 and rounding
-once on the store. Its tiling (:func:`row_tiles`) and :func:`times_sigmoid` are shared with the SwiGLU
-epilogue (:mod:`qvl.kernels.swiglu`).
+once on the store. Its tiling and sigmoid are the row-wise epilogues' (:func:`qvl.kernels.tiles.row_tiles`,
+:func:`qvl.kernels.tiles.times_sigmoid`), shared with the SwiGLU epilogue (:mod:`qvl.kernels.swiglu`).
 
 Backward (``torch.ops.qvl.bias_gelu_backward``, bias_gelu's autograd formula): one kernel recomputes
 ``v = x + bias`` from the saved inputs (the output is not saved: the derivative needs v, not gelu(v)), writes
@@ -24,15 +24,15 @@ from triton.backends.compiler import GPUTarget
 
 from .common import (
     FLOAT_DTYPES,
-    FMA_CONTRACTION,
     KernelLaunch,
     backend_for,
     check_same_device,
     check_tensor,
     device_target,
+    refuse_autograd,
     run_launches,
 )
-from .tiles import last_dim_contiguous, refuse_autograd, row_split, sum_partials_launch
+from .tiles import LOG2E, epilogue_backward_config, last_dim_contiguous, row_tiles, sum_partials_launch, times_sigmoid
 
 __all__ = [
     "GELU_APPROXIMATIONS",
@@ -43,10 +43,7 @@ __all__ = [
     "bias_gelu_backward_reference",
     "bias_gelu_launches",
     "bias_gelu_reference",
-    "backward_launch_config",
     "launch_config",
-    "row_tiles",
-    "times_sigmoid",
 ]
 
 # "none": exact erf GELU; "tanh": torch's tanh approximation; "quick": the sigmoid approximation
@@ -56,16 +53,8 @@ GELU_APPROXIMATIONS = ("none", "tanh", "quick")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_KAPPA = tl.constexpr(0.044715)
-_LOG2_E = tl.constexpr(1.4426950408889634)
 _QUICK_GELU_SCALE = tl.constexpr(1.702)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-
-
-@triton.jit
-def times_sigmoid(v, z):
-    """``v * sigmoid(z)`` in fp32 as ``v / (1 + exp2(-z log2 e))``: one exp2 and one division, and no
-    cancellation for z << 0. Overflow is benign: exp2 -> inf gives -0 (or +0) for z << 0."""
-    return v / (1.0 + tl.exp2(z * (-_LOG2_E)))
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -121,7 +110,7 @@ def gelu_derivative(v, APPROXIMATE: tl.constexpr):
         derivative = s + _QUICK_GELU_SCALE * v * s * times_sigmoid(1.0, -v * _QUICK_GELU_SCALE)
     else:
         # gelu = v Phi(v): gelu' = Phi(v) + v phi(v).
-        phi = tl.exp2(v * v * (-0.5 * _LOG2_E)) * _INV_SQRT_2PI
+        phi = tl.exp2(v * v * (-0.5 * LOG2E)) * _INV_SQRT_2PI
         derivative = 0.5 * (1.0 + tl.math.erf(v * _SQRT1_2)) + v * phi
     return derivative
 
@@ -164,17 +153,10 @@ def _bias_gelu_backward_kernel(
     tl.store(Partials + pid.to(tl.int64) * num_cols + cols, dbias, mask=mask_n)
 
 
-def row_tiles(num_cols: int) -> dict:
-    """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
-    4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
-    block_n = min(1024, triton.next_power_of_2(num_cols))
-    return dict(BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4, **FMA_CONTRACTION)
-
-
 def launch_config(num_cols: int, approximate: str, target: GPUTarget) -> dict:
     """Everything the bias + GELU launch passes besides tensors and scalars, for rows of ``num_cols`` and
-    the GELU ``approximate`` on ``target``: :func:`row_tiles` and the approximation. Every target gets the
-    same values (the interpreter ignores warps and options)."""
+    the GELU ``approximate`` on ``target``: :func:`~qvl.kernels.tiles.row_tiles` and the approximation. Every
+    target gets the same values (the interpreter ignores warps and options)."""
     return dict(row_tiles(num_cols), APPROXIMATE=approximate)
 
 
@@ -187,34 +169,36 @@ def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[
     config = launch_config(num_cols, approximate, target)
     # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]), triton.cdiv(num_cols, config["BLOCK_N"]))
-    return [KernelLaunch(_bias_gelu_kernel, grid, (x, bias, y, num_rows, num_cols, x.stride(0), y.stride(0)), config)]
-
-
-def backward_launch_config(num_rows: int, num_cols: int, target: GPUTarget) -> dict:
-    """The tiles of an elementwise epilogue's backward (bias + GELU, biases + SwiGLU) over ``(num_rows,
-    num_cols)`` on ``target``: :func:`row_tiles`, with the rows split over ``programs`` (grid axis 0) of
-    ``blocks_per_program`` row blocks each by :func:`~qvl.kernels.tiles.row_split`, one fp32 partial row of
-    the bias gradients per program."""
-    config = row_tiles(num_cols)
-    programs, blocks_per_program = row_split(num_rows, config["BLOCK_M"])
-    return dict(config, programs=programs, blocks_per_program=blocks_per_program)
+    args = dict(X=x, Bias=bias, Y=y, num_rows=num_rows, num_cols=num_cols, stride_xm=x.stride(0), stride_ym=y.stride(0))
+    return [KernelLaunch(_bias_gelu_kernel, grid, args, config)]
 
 
 def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate: str, target: GPUTarget):
     """The launches of bias_gelu's backward for checked arguments: ``dx = grad_y * gelu'(x + bias)`` (x's
     shape and dtype) and its fp32 per-program column sums into ``partials`` ``(1, programs, F)``
-    (:func:`backward_launch_config`), then their reduction into ``dbias``. Mutates dx, partials, dbias;
-    empty when x is. Reads shapes and strides only (no device sync)."""
+    (:func:`~qvl.kernels.tiles.epilogue_backward_config`), then their reduction into ``dbias``. Mutates dx,
+    partials, dbias; empty when x is. Reads shapes and strides only (no device sync)."""
     num_rows, num_cols = x.shape
     if x.numel() == 0:
         return []
-    config = backward_launch_config(num_rows, num_cols, target)
+    config = epilogue_backward_config(num_rows, num_cols, target)
     grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
-    args = (
-        x, bias, grad_y, dx, partials,
-        num_rows, num_cols, config.pop("blocks_per_program"),
-        x.stride(0), grad_y.stride(0), dx.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers
+        X=x,
+        Bias=bias,
+        DY=grad_y,
+        DX=dx,
+        Partials=partials,
+        # sizes
+        num_rows=num_rows,
+        num_cols=num_cols,
+        blocks_per_program=config.pop("blocks_per_program"),
+        # strides
+        stride_xm=x.stride(0),
+        stride_dym=grad_y.stride(0),
+        stride_dxm=dx.stride(0),
+    )
     return [
         KernelLaunch(_bias_gelu_backward_kernel, grid, args, dict(config, APPROXIMATE=approximate)),
         sum_partials_launch(partials, (dbias,)),
@@ -343,7 +327,7 @@ def bias_gelu_backward(
     # With no rows nothing is launched and the bias gradient is zeros.
     dbias = torch.empty_like(bias) if x.shape[0] else torch.zeros_like(bias)
     target = device_target(x.device)
-    programs = backward_launch_config(x.shape[0], x.shape[1], target)["programs"]
+    programs = epilogue_backward_config(x.shape[0], x.shape[1], target)["programs"]
     partials = torch.empty((1, programs, x.shape[1]), dtype=torch.float32, device=x.device)
     run_launches(bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, target), x.device)
     return dx, dbias

@@ -225,12 +225,25 @@ def norm_launches(
     has_delta = delta is not None
     config = launch_config(num_cols, has_delta, target)
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
-    args = (
-        x, delta if has_delta else x, h if has_delta else x, params[0], params[-1], y,
-        num_rows, num_cols,
-        eps,
-        x.stride(0), delta.stride(0) if has_delta else 0, h.stride(0) if has_delta else 0, y.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers (Delta and Sum are x where there is no residual add; Bias is the weight for RMSNorm)
+        X=x,
+        Delta=delta if has_delta else x,
+        Sum=h if has_delta else x,
+        Weight=params[0],
+        Bias=params[-1],
+        Y=y,
+        # sizes
+        num_rows=num_rows,
+        num_cols=num_cols,
+        # scalars
+        eps=eps,
+        # strides
+        stride_xm=x.stride(0),
+        stride_dm=delta.stride(0) if has_delta else 0,
+        stride_sm=h.stride(0) if has_delta else 0,
+        stride_ym=y.stride(0),
+    )
     return [KernelLaunch(_norm_kernel, grid, args, dict(config, CENTERED=len(params) == 2))]
 
 
@@ -273,12 +286,27 @@ def norm_backward_launches(
     has_delta = grad_h is not None
     config = backward_launch_config(num_rows, num_cols, has_delta, target)
     grid = (config.pop("programs"),)
-    args = (
-        x, weight, grad_y, grad_h if has_delta else grad_y, dx, partials,
-        num_rows, num_cols, config.pop("blocks_per_program"),
-        eps,
-        x.stride(0), grad_y.stride(0), grad_h.stride(0) if has_delta else 0, dx.stride(0), partials.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers (DH is grad_y where there is no residual add)
+        X=x,
+        Weight=weight,
+        DY=grad_y,
+        DH=grad_h if has_delta else grad_y,
+        DX=dx,
+        Partials=partials,
+        # sizes
+        num_rows=num_rows,
+        num_cols=num_cols,
+        blocks_per_program=config.pop("blocks_per_program"),
+        # scalars
+        eps=eps,
+        # strides
+        stride_xm=x.stride(0),
+        stride_dym=grad_y.stride(0),
+        stride_dhm=grad_h.stride(0) if has_delta else 0,
+        stride_dxm=dx.stride(0),
+        stride_pk=partials.stride(0),
+    )
     kernel = KernelLaunch(_norm_backward_kernel, grid, args, dict(config, CENTERED=len(param_grads) == 2))
     return [kernel, sum_partials_launch(partials, param_grads)]
 

@@ -34,10 +34,11 @@ from .common import (
     check_same_device,
     check_tensor,
     device_target,
+    refuse_autograd,
     run_launches,
     value_checks_enabled,
 )
-from .tiles import last_dim_contiguous, refuse_autograd
+from .tiles import last_dim_contiguous
 
 __all__ = [
     "launch_config",
@@ -199,12 +200,11 @@ def launch_config(channels: int, target: GPUTarget) -> dict:
     on ``target``: up to 128 channels and about 4096 values per program, and compile options. Every target
     gets the same values (the interpreter ignores warps and options)."""
     block_c = min(128, triton.next_power_of_2(channels))
+    # No fused multiply-add: each product is rounded before it is summed, as torch's separate multiply and sum
+    # do, so the result matches transformers bit for bit.
     return dict(
-        NUM_TAPS=NUM_TAPS, BLOCK_T=max(1, 4096 // block_c), BLOCK_C=block_c, num_warps=4,
-        # No fused multiply-add: each product is rounded before it is summed, as torch's separate
-        # multiply and sum do, so the result matches transformers bit for bit.
-        enable_fp_fusion=False,
-    )  # fmt: skip
+        NUM_TAPS=NUM_TAPS, BLOCK_T=max(1, 4096 // block_c), BLOCK_C=block_c, num_warps=4, enable_fp_fusion=False
+    )
 
 
 def pos_embed_interp_launches(
@@ -217,12 +217,23 @@ def pos_embed_interp_launches(
         return []
     config = launch_config(channels, target)
     grid = (triton.cdiv(num_tokens, config["BLOCK_T"]), triton.cdiv(channels, config["BLOCK_C"]))
-    args = (
-        pos_embed, interp_indices, interp_weights, out,
-        num_tokens, channels,
-        pos_embed.stride(0), interp_indices.stride(0), interp_indices.stride(1),
-        interp_weights.stride(0), interp_weights.stride(1), out.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers
+        Table=pos_embed,
+        Indices=interp_indices,
+        Weights=interp_weights,
+        Out=out,
+        # sizes
+        num_tokens=num_tokens,
+        channels=channels,
+        # strides
+        stride_tv=pos_embed.stride(0),
+        stride_it=interp_indices.stride(0),
+        stride_ik=interp_indices.stride(1),
+        stride_wt=interp_weights.stride(0),
+        stride_wk=interp_weights.stride(1),
+        stride_ot=out.stride(0),
+    )
     return [KernelLaunch(_pos_embed_interp_kernel, grid, args, {**config, "ADD": add})]
 
 
@@ -236,11 +247,21 @@ def pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weigh
         return []
     config = launch_config(channels, target)
     grid = (num_rows, triton.cdiv(channels, config["BLOCK_C"]))
-    args = (
-        grad_out, order, run_starts, interp_weights, grad_table,
-        channels,
-        grad_out.stride(0), interp_weights.stride(0), interp_weights.stride(1), grad_table.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers
+        GradOut=grad_out,
+        Order=order,
+        RunStarts=run_starts,
+        Weights=interp_weights,
+        GradTable=grad_table,
+        # sizes
+        channels=channels,
+        # strides
+        stride_gt=grad_out.stride(0),
+        stride_wt=interp_weights.stride(0),
+        stride_wk=interp_weights.stride(1),
+        stride_dv=grad_table.stride(0),
+    )
     # The run loop adds products in fp32 one at a time; only the tile sizes of the forward apply.
     kwargs = dict(NUM_TAPS=NUM_TAPS, BLOCK_C=config["BLOCK_C"], num_warps=1, enable_fp_fusion=False)
     return [KernelLaunch(_pos_embed_interp_backward_kernel, grid, args, kwargs)]

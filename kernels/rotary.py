@@ -6,10 +6,10 @@ position ``(row, col)`` has angles ``[row * inv_freq | col * inv_freq]`` (width 
 width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp32 and cast back.
 
 The kernels compute cos/sin in fp32 from the int32 positions: no ``(T, D)`` cos/sin table exists. The
-same tile helpers (:mod:`qvl.kernels.tiles`) rotate q inside ``torch.ops.qvl.vision_attn`` when it is
-given ``positions``. As in attention, layouts whose rows all start on 16-byte boundaries (packed qkv
-views, contiguous outputs) get strides the compiler can prove aligned, so rows load and store in 16-byte
-vectors.
+same tile helpers (:func:`rope_dim_tables`, :func:`rope_cos_sin`, :func:`rope_apply`) rotate q inside
+``torch.ops.qvl.vision_attn`` when it is given ``positions``, so both round exactly alike. As in
+attention, layouts whose rows all start on 16-byte boundaries (packed qkv views, contiguous outputs) get
+strides the compiler can prove aligned, so rows load and store in 16-byte vectors.
 
 ``rotary_2d`` is differentiable: its backward (``torch.ops.qvl.rotary_2d_backward``) is the same kernel
 rotating the gradients by the opposite angles. ``rotary_2d_`` mutates its inputs, for which torch.library
@@ -33,17 +33,21 @@ from .common import (
     check_same_device,
     check_tensor,
     device_target,
+    refuse_autograd,
     rows_16_byte_aligned,
     run_launches,
     value_checks_enabled,
 )
-from .tiles import aligned_stride, last_dim_contiguous, refuse_autograd, rope_apply, rope_cos_sin, rope_dim_tables
+from .tiles import aligned_stride, last_dim_contiguous
 
 __all__ = [
     "check_positions",
     "check_rope_head_dim",
     "check_rope_theta",
     "launch_config",
+    "rope_apply",
+    "rope_cos_sin",
+    "rope_dim_tables",
     "rope_inv_freq",
     "rotary_2d",
     "rotary_2d_",
@@ -54,13 +58,54 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------------
+# The rotation of a (tokens, head dims) tile, shared with the attention kernel: cos/sin in fp32 from int32
+# (row, col) positions.
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
+    """Per-dimension rotary constants for the dims ``offs_d`` of a head of width ``HEAD_DIM``.
+
+    Returns (inv_freq fp32, from_col bool, partner dim, sign fp32): dim d pairs with
+    ``partner = (d + D/2) % D`` and is rotated as ``x[d] * cos + sign * x[partner] * sin``.
+    """
+    half: tl.constexpr = HEAD_DIM // 2
+    quarter: tl.constexpr = HEAD_DIM // 4
+    in_half = offs_d % half
+    from_col = in_half >= quarter
+    freq_index = tl.where(from_col, in_half - quarter, in_half)
+    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    return inv_freq, from_col, partner, sign
+
+
+@triton.jit
+def rope_cos_sin(row_pos, col_pos, inv_freq, from_col):
+    """cos/sin ``(BLOCK_T, BLOCK_D)`` in fp32 for tokens at ``(row_pos, col_pos)`` (int32 ``(BLOCK_T,)``)."""
+    pos = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32)
+    angle = pos * inv_freq[None, :]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_apply(x, x_partner, cos, sin, sign):
+    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin``."""
+    return x.to(tl.float32) * cos + sign[None, :] * x_partner.to(tl.float32) * sin
+
+
+# ----------------------------------------------------------------------------------------------------
 # Standalone kernel: one program rotates BLOCK_T tokens of every head of q and k (or of k alone), so
 # each cos/sin value is computed once and used for every head.
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_heads(X, XOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                  stride_xt, stride_xh, stride_ot, stride_oh):  # fmt: skip
-    """Rotate the tile's tokens of every head of X into XOut with the cos/sin computed once by the caller."""
+def _rotate_heads(X, XOut, x_strides, out_strides, tile, rope, num_heads):
+    """Rotate the tile's tokens of every head of X into XOut with the cos/sin computed once by the caller.
+    ``x_strides`` and ``out_strides`` are (token, head) strides; ``tile`` is ``(tokens, offs_d, partner, mask)``
+    and ``rope`` ``(cos, sin, sign)``."""
+    stride_xt, stride_xh = x_strides
+    stride_ot, stride_oh = out_strides
+    tokens, offs_d, partner, mask = tile
+    cos, sin, sign = rope
     for head in range(num_heads):
         rows = X + tokens[:, None] * stride_xt + head * stride_xh
         x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0)
@@ -124,11 +169,10 @@ def _rotary_2d_kernel(
         sign = -sign
     cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
 
+    tile = (tokens, offs_d, partner, mask)
     if ROTATE_Q:
-        _rotate_heads(Q, QOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                      stride_qt, stride_qh, stride_qot, stride_qoh)  # fmt: skip
-    _rotate_heads(K, KOut, tokens, offs_d, partner, mask, cos, sin, sign, num_heads,
-                  stride_kt, stride_kh, stride_kot, stride_koh)  # fmt: skip
+        _rotate_heads(Q, QOut, (stride_qt, stride_qh), (stride_qot, stride_qoh), tile, (cos, sin, sign), num_heads)
+    _rotate_heads(K, KOut, (stride_kt, stride_kh), (stride_kot, stride_koh), tile, (cos, sin, sign), num_heads)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -227,13 +271,28 @@ def rotary_launches(
     q, q_out = (q, q_out) if rotate_q else (k, k_out)
     config = launch_config(head_dim, target)
     grid = (triton.cdiv(num_tokens, config["BLOCK_T"]),)
-    args = (
-        q, k, q_out, k_out, positions,
-        num_tokens, num_heads, math.log2(rope_theta),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        positions.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers
+        Q=q,
+        K=k,
+        QOut=q_out,
+        KOut=k_out,
+        Positions=positions,
+        # sizes
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        log2_theta=math.log2(rope_theta),
+        # strides
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kt=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_qot=q_out.stride(0),
+        stride_qoh=q_out.stride(1),
+        stride_kot=k_out.stride(0),
+        stride_koh=k_out.stride(1),
+        stride_pt=positions.stride(0),
+    )
     flags = dict(ROTATE_Q=rotate_q, STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out), INVERSE=inverse)
     return [KernelLaunch(_rotary_2d_kernel, grid, args, {**config, **flags})]
 

@@ -6,7 +6,7 @@ transformers' ``Qwen2_5_VLMLP(config, bias=True)`` computes
 ``up_proj`` as bias-less GEMMs (or one GEMM over the stacked weights) and this kernel does the rest before
 ``down_proj``: it reads the two GEMM outputs and the two biases once and writes the product once, computing
 in fp32 and rounding once on the store. It is the bias + GELU epilogue's sibling and shares its tiling
-(:func:`qvl.kernels.gelu.row_tiles`) and sigmoid (:func:`qvl.kernels.gelu.times_sigmoid`).
+(:func:`qvl.kernels.tiles.row_tiles`) and sigmoid (:func:`qvl.kernels.tiles.times_sigmoid`).
 
 Why two ``(N, F)`` arguments rather than one ``(N, 2F)``: both take free row strides, so a caller that runs
 one GEMM over ``[W_gate; W_up]`` passes the two column halves of its ``(N, 2F)`` output as views (row
@@ -38,8 +38,7 @@ from .common import (
     device_target,
     run_launches,
 )
-from .gelu import backward_launch_config, row_tiles, times_sigmoid
-from .tiles import last_dim_contiguous, sum_partials_launch
+from .tiles import epilogue_backward_config, last_dim_contiguous, row_tiles, sum_partials_launch, times_sigmoid
 
 __all__ = [
     "bias_swiglu",
@@ -143,7 +142,7 @@ def _bias_swiglu_backward_kernel(
 
 def launch_config(num_cols: int, target: GPUTarget) -> dict:
     """Everything the SwiGLU launch passes besides tensors and scalars, for rows of ``num_cols`` on
-    ``target``: the elementwise epilogues' :func:`~qvl.kernels.gelu.row_tiles`. Every target gets the same
+    ``target``: the elementwise epilogues' :func:`~qvl.kernels.tiles.row_tiles`. Every target gets the same
     values (the interpreter ignores warps and options)."""
     return row_tiles(num_cols)
 
@@ -157,7 +156,21 @@ def bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target: GPUTarget) -> 
     config = launch_config(num_cols, target)
     # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]), triton.cdiv(num_cols, config["BLOCK_N"]))
-    args = (gate, up, gate_bias, up_bias, y, num_rows, num_cols, gate.stride(0), up.stride(0), y.stride(0))
+    args = dict(
+        # pointers
+        Gate=gate,
+        Up=up,
+        GateBias=gate_bias,
+        UpBias=up_bias,
+        Y=y,
+        # sizes
+        num_rows=num_rows,
+        num_cols=num_cols,
+        # strides
+        stride_gm=gate.stride(0),
+        stride_um=up.stride(0),
+        stride_ym=y.stride(0),
+    )
     return [KernelLaunch(_bias_swiglu_kernel, grid, args, config)]
 
 
@@ -166,19 +179,36 @@ def bias_swiglu_backward_launches(
 ) -> list[KernelLaunch]:
     """The launches of bias_swiglu's backward for checked arguments: ``d_gate``, ``d_up`` (gate's shape and
     dtype) and their fp32 per-program column sums into ``partials`` ``(2, programs, F)``
-    (:func:`~qvl.kernels.gelu.backward_launch_config`), then their reduction into ``d_gate_bias`` and
+    (:func:`~qvl.kernels.tiles.epilogue_backward_config`), then their reduction into ``d_gate_bias`` and
     ``d_up_bias``. Mutates the four gradients and partials; empty when gate is. Reads shapes and strides only
     (no device sync)."""
     num_rows, num_cols = gate.shape
     if gate.numel() == 0:
         return []
-    config = backward_launch_config(num_rows, num_cols, target)
+    config = epilogue_backward_config(num_rows, num_cols, target)
     grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
-    args = (
-        gate, up, gate_bias, up_bias, grad_y, d_gate, d_up, partials,
-        num_rows, num_cols, config.pop("blocks_per_program"),
-        gate.stride(0), up.stride(0), grad_y.stride(0), d_gate.stride(0), d_up.stride(0), partials.stride(0),
-    )  # fmt: skip
+    args = dict(
+        # pointers
+        Gate=gate,
+        Up=up,
+        GateBias=gate_bias,
+        UpBias=up_bias,
+        DY=grad_y,
+        DGate=d_gate,
+        DUp=d_up,
+        Partials=partials,
+        # sizes
+        num_rows=num_rows,
+        num_cols=num_cols,
+        blocks_per_program=config.pop("blocks_per_program"),
+        # strides
+        stride_gm=gate.stride(0),
+        stride_um=up.stride(0),
+        stride_dym=grad_y.stride(0),
+        stride_dgm=d_gate.stride(0),
+        stride_dum=d_up.stride(0),
+        stride_pk=partials.stride(0),
+    )
     return [
         KernelLaunch(_bias_swiglu_backward_kernel, grid, args, config),
         sum_partials_launch(partials, (d_gate_bias, d_up_bias)),
@@ -286,7 +316,7 @@ def bias_swiglu_backward(
     new_bias = torch.empty_like if gate.shape[0] else torch.zeros_like
     d_gate_bias, d_up_bias = new_bias(gate_bias), new_bias(up_bias)
     target = device_target(gate.device)
-    programs = backward_launch_config(gate.shape[0], gate.shape[1], target)["programs"]
+    programs = epilogue_backward_config(gate.shape[0], gate.shape[1], target)["programs"]
     partials = torch.empty((2, programs, gate.shape[1]), dtype=torch.float32, device=gate.device)
     launches = bias_swiglu_backward_launches(
         grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target

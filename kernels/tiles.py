@@ -1,39 +1,43 @@
-"""What more than one kernel family shares: Triton device functions, and the pieces of the backward passes.
+"""The pieces more than one kernel family shares: Triton device functions, tiles, and the backward passes'
+partial-sum reduction.
 
 Strides the host found to be multiples of 16 bytes are re-derived in the kernel with
 :func:`aligned_stride`, so that the compiler can prove every row of a tile starts on a 16-byte boundary.
 
-Qwen3-VL's 2D rotary embedding on a ``(tokens, head dims)`` tile: the standalone rotary kernel
-(:mod:`qvl.kernels.rotary`) and the attention kernel, which rotates q as it loads it
-(:mod:`qvl.kernels.attention`), compute cos/sin in fp32 from int32 (row, col) positions with these, so
-both round exactly alike.
+The row-wise elementwise epilogues (bias + GELU in :mod:`qvl.kernels.gelu`, biases + SwiGLU in
+:mod:`qvl.kernels.swiglu`) share their tiling (:func:`row_tiles`, :func:`epilogue_backward_config`) and
+:func:`times_sigmoid`.
 
 Backward passes of the row-wise ops (LayerNorm, RMSNorm, bias + GELU, biases + SwiGLU) reduce their weight
 and bias gradients over the rows without atomics, deterministically: each program walks
 :func:`row_split`'s share of the rows, sums ``dweight`` (``dbias``) over them in fp32 registers and writes
 one fp32 partial row; :func:`sum_partials_launch` then adds the partial rows in a fixed order and rounds once
-to the parameter's dtype. :func:`refuse_autograd` guards the in-place ops, which torch.library cannot give
-a backward.
+to the parameter's dtype.
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-from .common import KernelLaunch
+from .common import FMA_CONTRACTION, KernelLaunch
 
 __all__ = [
+    "LOG2E",
     "PARTIAL_ROWS",
     "aligned_stride",
+    "epilogue_backward_config",
     "last_dim_contiguous",
-    "refuse_autograd",
-    "route_autograd",
-    "rope_apply",
-    "rope_cos_sin",
-    "rope_dim_tables",
     "row_split",
+    "row_tiles",
     "sum_partials_launch",
+    "times_sigmoid",
 ]
+
+# log2(e) for the kernels (Triton reads globals only as constexprs).
+LOG2E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
@@ -50,35 +54,17 @@ def aligned_stride(stride, base):
 
 
 @triton.jit
-def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
-    """Per-dimension rotary constants for the dims ``offs_d`` of a head of width ``HEAD_DIM``.
-
-    Returns (inv_freq fp32, from_col bool, partner dim, sign fp32): dim d pairs with
-    ``partner = (d + D/2) % D`` and is rotated as ``x[d] * cos + sign * x[partner] * sin``.
-    """
-    half: tl.constexpr = HEAD_DIM // 2
-    quarter: tl.constexpr = HEAD_DIM // 4
-    in_half = offs_d % half
-    from_col = in_half >= quarter
-    freq_index = tl.where(from_col, in_half - quarter, in_half)
-    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
-    partner = (offs_d + half) % HEAD_DIM
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    return inv_freq, from_col, partner, sign
+def times_sigmoid(v, z):
+    """``v * sigmoid(z)`` in fp32 as ``v / (1 + exp2(-z log2 e))``: one exp2 and one division, and no
+    cancellation for z << 0. Overflow is benign: exp2 -> inf gives -0 (or +0) for z << 0."""
+    return v / (1.0 + tl.exp2(z * (-LOG2E)))
 
 
-@triton.jit
-def rope_cos_sin(row_pos, col_pos, inv_freq, from_col):
-    """cos/sin ``(BLOCK_T, BLOCK_D)`` in fp32 for tokens at ``(row_pos, col_pos)`` (int32 ``(BLOCK_T,)``)."""
-    pos = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32)
-    angle = pos * inv_freq[None, :]
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def rope_apply(x, x_partner, cos, sin, sign):
-    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin``."""
-    return x.to(tl.float32) * cos + sign[None, :] * x_partner.to(tl.float32) * sin
+def row_tiles(num_cols: int) -> dict:
+    """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
+    4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
+    block_n = min(1024, triton.next_power_of_2(num_cols))
+    return dict(BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4, **FMA_CONTRACTION)
 
 
 # Rows a backward program sums its parameter gradients over before writing one fp32 partial row. The partials
@@ -95,6 +81,16 @@ def row_split(num_rows: int, block_m: int) -> tuple[int, int]:
     come out bit-identical from run to run."""
     blocks_per_program = max(1, PARTIAL_ROWS // block_m)
     return triton.cdiv(triton.cdiv(num_rows, block_m), blocks_per_program), blocks_per_program
+
+
+def epilogue_backward_config(num_rows: int, num_cols: int, target: GPUTarget) -> dict:
+    """The tiles of an elementwise epilogue's backward (bias + GELU, biases + SwiGLU) over ``(num_rows,
+    num_cols)`` on ``target``: :func:`row_tiles`, with the rows split over ``programs`` (grid axis 0) of
+    ``blocks_per_program`` row blocks each by :func:`row_split`, one fp32 partial row of the bias gradients per
+    program. Every target gets the same values."""
+    config = row_tiles(num_cols)
+    programs, blocks_per_program = row_split(num_rows, config["BLOCK_M"])
+    return dict(config, programs=programs, blocks_per_program=blocks_per_program)
 
 
 @triton.jit
@@ -130,7 +126,14 @@ def sum_partials_launch(partials: torch.Tensor, outs: tuple[torch.Tensor, ...]) 
     num_outs, num_partials, num_cols = partials.shape
     block_c = min(64, triton.next_power_of_2(num_cols))
     grid = (triton.cdiv(num_cols, block_c), num_outs)
-    args = (partials, outs[0], outs[-1], num_partials, num_cols, partials.stride(0))
+    args = dict(
+        Partials=partials,
+        Out0=outs[0],
+        Out1=outs[-1],
+        num_partials=num_partials,
+        num_cols=num_cols,
+        stride_pk=partials.stride(0),
+    )
     return KernelLaunch(_sum_partials_kernel, grid, args, dict(BLOCK_P=32, BLOCK_C=block_c, num_warps=4))
 
 
@@ -138,44 +141,3 @@ def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when its last dim is contiguous (row strides stay free), else a contiguous copy:
     gradients reaching a backward may be expanded (``y.sum().backward()`` gives stride 0)."""
     return tensor if tensor.shape[-1] <= 1 or tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-# The library fragment holding the in-place ops' autograd guards (kept alive with the module).
-_AUTOGRAD_KEYS = torch.library.Library("qvl", "FRAGMENT")
-
-
-def route_autograd(op: str, under_grad) -> None:
-    """Give ``qvl::<op>`` its own kernel on the AutogradCPU / AutogradCUDA keys: with grad mode on and a tensor
-    argument requiring grad the call runs ``under_grad(*args)``; otherwise it goes to the keys below autograd,
-    as the custom op's own no-grad path does (inference is unchanged, eager or compiled).
-
-    The dispatcher prefers these per-backend keys to the custom op's ``Autograd`` registration, and they still
-    see the caller's grad mode (the op body runs under the autograd function's no-grad). The check reads Python
-    attributes only.
-    """
-    overload = getattr(torch.ops.qvl, op).default
-
-    def route(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return under_grad(*args)
-        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-
-    for key in ("AutogradCPU", "AutogradCUDA"):
-        _AUTOGRAD_KEYS.impl(op, route, key, with_keyset=True)
-
-
-def refuse_autograd(op: str, alternative: str) -> None:
-    """Make the in-place op ``qvl::<op>`` raise a RuntimeError naming ``alternative`` when autograd would record
-    it (:func:`route_autograd`). torch.library gives mutating custom ops no autograd formula
-    (``register_autograd`` refuses non-functional schemas); without this guard such a call would mutate its input
-    and silently leave the autograd graph believing the old value."""
-    message = (
-        f"qvl::{op} mutates its input and has no backward (torch.library supports autograd for functional "
-        f"custom ops only); under torch.no_grad() or with inputs that do not require grad it runs as usual. "
-        f"For gradients use the out-of-place {alternative}."
-    )
-
-    def refuse(*args):
-        raise RuntimeError(message)
-
-    route_autograd(op, refuse)

@@ -61,7 +61,7 @@ def test_merged_table_is_what_launch_config_reads(tmp_path, monkeypatch):
     table = tune.merge_table(path, {key: entry}, run)
     assert json.loads(path.read_text()) == table
     assert table["tiles"][key]["run"] == len(table["runs"]) - 1 and table["runs"][-1] == run
-    monkeypatch.setattr(attention, "TILE_TABLE_PATH", path)
+    monkeypatch.setattr(attention.config, "TILE_TABLE_PATH", path)
     attention.tile_table.cache_clear()
     try:
         config = attention.launch_config(72, torch.bfloat16, HOPPER)

@@ -32,13 +32,13 @@ import triton  # noqa: E402
 from bench.sass_attention import stand_in_launches  # noqa: E402
 from qvl.kernels.attention import vision_attn_backward_launches, vision_attn_launches  # noqa: E402
 from qvl.kernels.common import ADA, HOPPER, compile_launch, shared_memory_per_block  # noqa: E402
-from qvl.kernels.gelu import backward_launch_config as epilogue_backward_config  # noqa: E402
 from qvl.kernels.gelu import bias_gelu_backward_launches, bias_gelu_launches  # noqa: E402
 from qvl.kernels.layer_norm import layer_norm_launches, norm_backward_launches, norm_partials  # noqa: E402
 from qvl.kernels.pos_embed import pos_embed_interp_backward_launches, pos_embed_interp_launches  # noqa: E402
 from qvl.kernels.rms_norm import rms_norm_launches  # noqa: E402
 from qvl.kernels.rotary import rotary_launches  # noqa: E402
 from qvl.kernels.swiglu import bias_swiglu_backward_launches, bias_swiglu_launches  # noqa: E402
+from qvl.kernels.tiles import epilogue_backward_config  # noqa: E402
 
 BF16 = torch.bfloat16
 # Qwen3-VL 8B's vision tower: 16 heads of 72, hidden 1152, MLP 4304, merger input 4 * 1152.

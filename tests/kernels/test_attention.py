@@ -346,15 +346,15 @@ def test_bf16_on_gpu(head_dim):
 
 def test_wide_offset_variant(monkeypatch):
     """The 64-bit in-batch offsets taken when T * stride can pass 2**31 compute the same result."""
-    import qvl.kernels.attention as attention
+    from qvl.kernels.attention import config, forward
 
-    assert attention._needs_wide_offsets(700_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
-    assert not attention._needs_wide_offsets(100_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
+    assert config.needs_wide_offsets(700_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
+    assert not config.needs_wide_offsets(100_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
     lengths = [70, 0, 33]
     q, k, v = packed_qkv(sum(lengths), 2, 72, torch.float16, seed=21)
     cu = cu_seqlens_of(lengths)
     positions = torch.randint(0, 30, (sum(lengths), 2), dtype=torch.int32)
     narrow = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
-    monkeypatch.setattr(attention, "_needs_wide_offsets", lambda *args: True)
+    monkeypatch.setattr(forward, "needs_wide_offsets", lambda *args: True)
     wide = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
     assert torch.equal(narrow, wide)

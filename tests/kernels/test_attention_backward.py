@@ -152,13 +152,13 @@ def test_log_sum_exp_only_when_a_gradient_is_needed(monkeypatch):
     """Inference (no_grad, inference_mode, or no input requiring grad) runs vision_attn itself, whose kernel
     launch does not write the log-sum-exp; a forward that autograd records runs vision_attn_with_lse."""
     store_lse = []
-    run_launches = attention.run_launches
+    run_launches = attention.forward.run_launches
 
     def recording_run_launches(launches, device):
         store_lse.extend(launch.kwargs.get("STORE_LSE") for launch in launches)
         run_launches(launches, device)
 
-    monkeypatch.setattr(attention, "run_launches", recording_run_launches)
+    monkeypatch.setattr(attention.forward, "run_launches", recording_run_launches)
     q, k, v, cu, _, positions = inputs([20, 13], 1, 64, torch.float32, 1, True)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
@@ -199,7 +199,8 @@ def test_wide_offset_variant(monkeypatch):
     """The 64-bit in-batch offsets taken when T * stride can pass 2**31 give the same gradients."""
     q, k, v, cu, grad_out, positions = inputs([70, 0, 33], 2, 72, torch.float16, 21, True)
     narrow = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
-    monkeypatch.setattr(attention, "_needs_wide_offsets", lambda *args: True)
+    for module in (attention.forward, attention.backward):
+        monkeypatch.setattr(module, "needs_wide_offsets", lambda *args: True)
     wide = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
     for a, b in zip(narrow, wide):
         assert torch.equal(a, b)

@@ -28,18 +28,20 @@ def descriptor_loads(monkeypatch):
     """Every attention launch asks for descriptor loads, as a tile-table entry would; yields the DESCRIPTORS
     flag each attention launch ended up with."""
     heuristic = attention.launch_config
-    monkeypatch.setattr(attention, "launch_config", lambda *args: {**heuristic(*args), "DESCRIPTORS": True})
+    monkeypatch.setattr(attention.forward, "launch_config", lambda *args: {**heuristic(*args), "DESCRIPTORS": True})
     build = attention.vision_attn_launches
     flags = []
 
     def recording(*args, **kwargs):
         launches = build(*args, **kwargs)
         flags.extend(
-            launch.kwargs["DESCRIPTORS"] for launch in launches if launch.kernel is attention._vision_attn_kernel
+            launch.kwargs["DESCRIPTORS"]
+            for launch in launches
+            if launch.kernel is attention.forward._vision_attn_kernel
         )
         return launches
 
-    monkeypatch.setattr(attention, "vision_attn_launches", recording)
+    monkeypatch.setattr(attention.forward, "vision_attn_launches", recording)
     return flags
 
 
@@ -166,7 +168,7 @@ def test_launch_config_follows_a_table_entry(monkeypatch):
     entry = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DESCRIPTORS=True, ms=0.1, run=0)
     heuristic = attention.launch_config(72, torch.bfloat16, HOPPER)
     heuristic_fp16 = attention.launch_config(72, torch.float16, HOPPER)
-    monkeypatch.setattr(attention, "tile_table", lambda: {"cuda:90/bfloat16/D72/long": entry})
+    monkeypatch.setattr(attention.config, "tile_table", lambda: {"cuda:90/bfloat16/D72/long": entry})
     tuned = attention.launch_config(72, torch.bfloat16, HOPPER)
     assert {key: tuned[key] for key in attention.TILE_KEYS} == {key: entry[key] for key in attention.TILE_KEYS}
     # The entry sets the tiles only; the head-dim tiling and options stay, other keys keep the heuristic.

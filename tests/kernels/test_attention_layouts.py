@@ -111,7 +111,7 @@ def test_aligned_layouts_give_the_plain_path_result(layout, head_dim, dtype, rop
     positions = positions_for(rope)
     assert all(attention_flags(q, k, v, positions))
     aligned = torch.ops.qvl.vision_attn(q, k, v, CU_SEQLENS, positions=positions)
-    monkeypatch.setattr(attention, "rows_16_byte_aligned", lambda *tensors: False)
+    monkeypatch.setattr(attention.forward, "rows_16_byte_aligned", lambda *tensors: False)
     monkeypatch.setattr(rotary, "rows_16_byte_aligned", lambda *tensors: False)
     assert not any(attention_flags(q, k, v, positions))
     plain = torch.ops.qvl.vision_attn(q, k, v, CU_SEQLENS, positions=positions)

@@ -1,0 +1,227 @@
+"""The attention kernels' launch and tile configuration, from host data only (shapes, strides, dtype, target,
+the ``max_seqlen`` hint; no device sync).
+
+:func:`launch_config` (the forward's meta-parameters: head-dim tiling, tiles from the packaged tile table or
+the heuristic) and :func:`backward_launch_config` (the backward's), what both share (:func:`head_dim_config`,
+:func:`segment_class` of the ``max_seqlen`` hint, the grid's :func:`segment_search_steps`, the offset width
+of :func:`needs_wide_offsets`), the TMA descriptors of K and V (:func:`kv_descriptors`) and the matmul work a
+launch executes (:func:`launch_work`). The launchers (:mod:`.forward`, :mod:`.backward`), the sm_90 compile
+checks and the tile sweep (``bench/tune_attention.py``, which writes the tile table) all read them from here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..common import FMA_CONTRACTION, shared_memory_per_block
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "SHORT_SEGMENT_MAX",
+    "TILE_KEYS",
+    "TILE_TABLE_PATH",
+    "AttentionWork",
+    "backward_launch_config",
+    "head_dim_config",
+    "head_dim_tiles",
+    "kv_descriptors",
+    "launch_config",
+    "launch_work",
+    "needs_wide_offsets",
+    "segment_class",
+    "segment_search_steps",
+    "tile_key",
+    "tile_table",
+    "tma_capable",
+]
+
+MAX_HEAD_DIM = 256
+# A ``max_seqlen`` hint at most this long selects the short-segment tiles (see launch_config).
+SHORT_SEGMENT_MAX = 64
+
+
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """(main, tail) tile widths for ``head_dim``: main is the largest power of two <= head_dim (at least
+    16, the smallest dot dimension GPUs accept for 16-bit types), tail the next power of two >= the rest
+    (0 when nothing is left)."""
+    main = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - main
+    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    return main, tail
+
+
+# Tiles measured on devices by bench/tune_attention.py, read by launch_config (see tile_table).
+TILE_TABLE_PATH = Path(__file__).parent.parent / "attention_tiles.json"
+# The meta-parameters a tile-table entry sets: tile shape, pipelining, and whether K and V load through TMA.
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DESCRIPTORS")
+
+
+@functools.cache
+def tile_table() -> dict[str, dict]:
+    """The packaged tile table: ``{tile_key(...): {BLOCK_M, BLOCK_N, num_warps, num_stages, DESCRIPTORS, ...}}``
+    (extra fields record what was measured). Read once; empty when no device run has written it."""
+    return json.loads(TILE_TABLE_PATH.read_text())["tiles"]
+
+
+def segment_class(max_seqlen: int | None) -> str:
+    """The tile hint's class: ``"short"`` for a ``max_seqlen`` of at most :data:`SHORT_SEGMENT_MAX`, else
+    ``"long"`` (also when no hint is given)."""
+    return "short" if max_seqlen is not None and max_seqlen <= SHORT_SEGMENT_MAX else "long"
+
+
+def tile_key(target: GPUTarget, head_dim: int, dtype: torch.dtype, max_seqlen: int | None) -> str:
+    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
+
+
+def tma_capable(target: GPUTarget) -> bool:
+    """Whether K and V may load through tensor descriptors on ``target``: Hopper and later NVIDIA GPUs (TMA
+    hardware), and the interpreter, which emulates them (so the tests run the descriptor path on CPU)."""
+    return (target.backend == "cuda" and target.arch >= 90) or target.backend == "interpreter"
+
+
+def head_dim_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """What every attention kernel's launch takes besides its tiles: the head-dim tiling
+    (:func:`head_dim_tiles`), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA option."""
+    main, tail = head_dim_tiles(head_dim)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return dict(HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION=precision, **FMA_CONTRACTION)
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
+    """Everything the attention launch passes besides tensors, scalars and per-call flags (rope on q,
+    64-bit offsets, aligned strides): head-dim tiling, tile sizes, pipelining, whether K and V may load
+    through TMA descriptors, and compile options for ``head_dim`` in ``dtype`` on ``target`` (see
+    :func:`qvl.kernels.common.device_target`), given the caller's ``max_seqlen`` hint (a host int or None; only
+    its class matters: :func:`segment_class`).
+
+    A tile-table entry for the launch (:func:`tile_table`, keyed by :func:`tile_key`: what a device measured)
+    sets the tiles; without one, the heuristic below does, with pointer loads. A descriptor entry is only
+    followed where the tensors allow it (see :func:`~qvl.kernels.attention.vision_attn_launches`).
+
+    fp32 tiles, and 16-bit ones wider than 128, are halved so their staged copies fit the 227 KiB of shared
+    memory a Hopper block may use; fp32 tiles wider than 128 (136 KiB at 64 x 32) are quartered again where
+    a block may use less (99 KiB on sm_86, sm_89, sm_12x). tests/kernels/test_cuda_compile.py compiles them
+    for sm_90 and sm_89 and checks. The interpreter ignores warps, stages and options.
+
+    Short segments (a hint of at most 64: Qwen2.5-VL's 112-pixel windows are 8 x 8 patches) take 64 x 64
+    tiles with one warpgroup in 16-bit dtypes up to D 128 (the others are 64 rows already): a 64-token
+    window is then exactly one query tile and one key block, where 128-row tiles execute twice the useful
+    matmul work. Longer segments keep 128-row tiles, which load each key/value block once per 128 queries;
+    from 65 tokens up 64-row tiles save little work anyway (none up to 128 tokens: both cover
+    ``ceil(S / 64) * 64`` keys for 128 query rows).
+    """
+    main, tail = head_dim_tiles(head_dim)
+    tuned = tile_table().get(tile_key(target, head_dim, dtype, max_seqlen))
+    if tuned is not None:
+        tiles = {key: tuned[key] for key in TILE_KEYS}
+    elif dtype == torch.float32 or main + tail > 128:
+        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
+        budget = shared_memory_per_block(target)
+        if dtype == torch.float32 and main + tail > 128 and budget is not None and budget < 136 * 1024:
+            tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
+    elif segment_class(max_seqlen) == "short":
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
+    else:
+        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
+    return {**head_dim_config(head_dim, dtype), **tiles}
+
+
+def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | None = None) -> dict[str, dict]:
+    """The backward's counterpart of :func:`launch_config`: ``{"dkdv": ..., "dq": ...}``, the meta-parameters
+    and compile options of the dK/dV and the dQ kernels (same head-dim tiling and precision as the forward).
+
+    The dK/dV program keeps a key block's K, V and two fp32 accumulators resident and streams narrow query
+    blocks past them; the dQ program is the forward's shape, a wide query block streaming narrow key
+    blocks. In 16-bit dtypes up to D 128, 128 resident rows with 32-row blocks streaming compile without
+    spills on sm_90 (up to 245 registers at D 128, 8 warps); a short-segment hint (at most
+    :data:`SHORT_SEGMENT_MAX`) takes 64 resident rows and one warpgroup, so a 64-token window is one
+    program; wider 16-bit heads take 64 resident rows and 8 warps (a 240-byte stack remains at D 256). fp32
+    dots run on FMA units, not tensor cores, and hold far more in registers: fp32 takes 32 x 16 tiles,
+    which still spill (a few KiB of stack, as the forward's fp32 tiles do), a correctness path rather than a
+    fast one. Every target gets the same tiles: the widest (fp32 at D 256) fit the 99 KiB of shared memory
+    of sm_86, sm_89 and sm_12x; tests/kernels/compile_sm90.py compiles them for sm_90 and sm_89. The
+    interpreter ignores warps, stages and options.
+    """
+    main, tail = head_dim_tiles(head_dim)
+    if dtype == torch.float32:
+        dkdv = dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)
+        dq = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
+    elif main + tail > 128:
+        dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
+        dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    elif segment_class(max_seqlen) == "short":
+        dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+        dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    else:
+        dkdv = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3)
+        dq = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+    common = head_dim_config(head_dim, dtype)
+    return {"dkdv": {**common, **dkdv}, "dq": {**common, **dq}}
+
+
+class AttentionWork(NamedTuple):
+    """The matmul work of one attention launch per head (see :func:`launch_work`), in flops."""
+
+    executed: int  # what the programs' tl.dot calls multiply, padding included
+    useful: int  # 4 * S**2 * D summed over segments: q.k and p.v of the real rows, keys and columns
+    programs: int  # programs per head in the grid
+    busy_programs: int  # those that own a query tile (the others return after finding their segment)
+
+    @property
+    def ratio(self) -> float:
+        """executed / useful (1.0 for a launch with no work)."""
+        return self.executed / self.useful if self.useful else 1.0
+
+
+def launch_work(cu_seqlens: np.ndarray, config: dict) -> AttentionWork:
+    """The matmul work the attention kernel executes per head for ``cu_seqlens`` (host ints, any sequence)
+    with ``config`` (:func:`launch_config`), against the useful work. A pure function of host data, as the
+    kernel runs it: a segment of S tokens has ``ceil(S / BLOCK_M)`` busy programs, each multiplying a
+    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over ``D_MAIN + D_TAIL``
+    columns, twice (q.k and p.v)."""
+    bounds = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
+    lengths = np.diff(bounds)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    width = config["D_MAIN"] + config["D_TAIL"]
+    tiles = -(-lengths // block_m)
+    keys = -(-lengths // block_n) * block_n
+    return AttentionWork(
+        executed=int((tiles * block_m * keys).sum()) * width * 4,
+        useful=int((lengths * lengths).sum()) * config["HEAD_DIM"] * 4,
+        programs=int(bounds[-1]) // block_m + lengths.size if lengths.size else 0,
+        busy_programs=int(tiles.sum()),
+    )
+
+
+def segment_search_steps(num_segments: int) -> int:
+    """Binary-search steps that find a program's segment among ``num_segments`` (see
+    :func:`~qvl.kernels.attention.forward.program_tile`)."""
+    return max(1, (num_segments - 1).bit_length())
+
+
+def needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether a token offset inside the batch (at most T * token stride) can pass int32."""
+    return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
+
+
+def kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a ``(T, H, D)`` key or value tensor: main boxes ``(BLOCK_N, 1, D_MAIN)`` and tail
+    boxes ``(BLOCK_N, 1, D_TAIL)`` (the main box again where there is no tail, unread then). Out-of-bounds
+    rows and columns read as zeros."""
+    main, tail = config["D_MAIN"], config["D_TAIL"] or config["D_MAIN"]
+    shape, strides = list(x.shape), list(x.stride())
+    return (
+        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, main]),
+        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, tail]),
+    )

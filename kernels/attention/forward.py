@@ -1,0 +1,651 @@
+"""The attention forward: its Triton kernel, the launches of ``torch.ops.qvl.vision_attn`` and of its training
+twin ``torch.ops.qvl.vision_attn_with_lse`` (which also stores each row's log-sum-exp), their op registrations
+and the pure-torch reference. The algorithm is described in :mod:`qvl.kernels.attention`; the launch
+configuration comes from :mod:`.config`. :func:`program_tile` (which segment and tile a program owns) and
+:func:`load_rows` are the backward kernels' too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from ..common import (
+    FLOAT_DTYPES,
+    KernelLaunch,
+    backend_for,
+    check_cu_seqlens,
+    check_same_device,
+    check_tensor,
+    device_target,
+    rows_16_byte_aligned,
+    run_launches,
+)
+from ..rotary import (
+    check_positions,
+    check_rope_head_dim,
+    check_rope_theta,
+    rope_apply,
+    rope_cos_sin,
+    rope_dim_tables,
+    rotary_2d_reference,
+    rotary_launches,
+)
+from ..tiles import aligned_stride
+from .config import (
+    MAX_HEAD_DIM,
+    kv_descriptors,
+    launch_config,
+    needs_wide_offsets,
+    segment_search_steps,
+    tma_capable,
+)
+
+__all__ = [
+    "check_attn_args",
+    "load_rows",
+    "program_tile",
+    "vision_attn",
+    "vision_attn_launches",
+    "vision_attn_reference",
+    "vision_attn_with_lse",
+]
+
+# ln(2) for the kernel (Triton reads globals only as constexprs).
+LN2 = tl.constexpr(math.log(2.0))
+
+
+@triton.jit
+def load_rows(
+    base,
+    rows,
+    stride_t,
+    offs_d,
+    row_mask,
+    HEAD_DIM: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_COLS: tl.constexpr = True,
+):
+    """Load a ``(len(rows), len(offs_d))`` tile, zeros outside the masks; rows are token indices. ``MASK_COLS``
+    False: the caller knows every column is below HEAD_DIM (a main tile), so a full block loads unmasked."""
+    ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    if MASK_COLS:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_kv(
+    source,
+    block,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """A ``(BLOCK_N, D_MAIN)`` key or value tile, or with ``TAIL`` a ``(BLOCK_N, D_TAIL_TILE)`` one of the tail
+    columns. ``source`` is ``(X, XTail, token stride)``, ``block`` ``(rows, kv_mask, desc_row, head)`` and
+    ``offs_d`` ``(offs_dm, offs_dt)``, the main and tail columns. Pointer path: ``X`` points at the segment's
+    first token of this head; main tiles lie inside the head unless the head is narrower than the smallest dot
+    tile (16), so only then do their columns need a mask. ``DESCRIPTORS``: ``X`` / ``XTail`` are TMA descriptors
+    of the whole ``(T, H, D)`` tensor, read at token ``desc_row``; the hardware zero-fills the columns past D and
+    the rows past T, and rows of the next segment are zeroed here (their logits are -inf already, but a value
+    that is not finite would still turn 0 * x into NaN)."""
+    X, XTail, stride_t = source
+    rows, kv_mask, desc_row, head = block
+    offs_dm, offs_dt = offs_d
+    if not DESCRIPTORS:
+        if TAIL:
+            x = load_rows(X, rows, stride_t, offs_dt, kv_mask, HEAD_DIM, MASK_ROWS, D_MAIN + D_TAIL_TILE > HEAD_DIM)
+        else:
+            x = load_rows(X, rows, stride_t, offs_dm, kv_mask, HEAD_DIM, MASK_ROWS, D_MAIN > HEAD_DIM)
+    elif TAIL:
+        x = XTail.load([desc_row, head, D_MAIN]).reshape(BLOCK_N, D_TAIL_TILE)
+    else:
+        x = X.load([desc_row, head, 0]).reshape(BLOCK_N, D_MAIN)
+    if DESCRIPTORS and MASK_ROWS:
+        x = tl.where(kv_mask[:, None], x, 0.0)
+    return x
+
+
+@triton.jit
+def _load_rotated(base, rows, stride_t, offs_d, row_mask, pos, rope, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
+    """Load a tile of rows (masked by ``row_mask``) and, with ROTATE, rotate it and round it back to the
+    input dtype (as the standalone rotary op would store it): ``pos`` is the rows' ``(row_pos, col_pos)``,
+    ``rope`` the columns' ``(inv_freq, from_col, partner, sign)`` (:func:`~qvl.kernels.rotary.rope_dim_tables`)."""
+    x = load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, True)
+    if ROTATE:
+        row_pos, col_pos = pos
+        inv_freq, from_col, partner, sign = rope
+        x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True)
+        cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+        x = rope_apply(x, x_partner, cos, sin, sign)
+        # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
+        x = tl.where(offs_d[None, :] < HEAD_DIM, x, 0.0).to(base.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK: tl.constexpr):
+    """The tile program ``pid`` of a ``(T // BLOCK + B, H)`` grid owns: (first token of its segment, the
+    segment's length, the tile's first row inside the segment). The row may lie past the segment's end:
+    such a program has nothing to do.
+
+    Segment b starts at program ``cu[b] // BLOCK + b``, strictly increasing in b, so a binary search over
+    ``cu_seqlens`` (``search_steps`` = ceil(log2(B)) steps, on the device) finds the last segment starting
+    at or before pid."""
+    lo = pid * 0
+    hi = lo + num_segments
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        mid_start = tl.load(CuSeqlens + mid) // BLOCK + mid
+        before = mid_start <= pid
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid)
+    seq_start = tl.load(CuSeqlens + lo)
+    seqlen = tl.load(CuSeqlens + lo + 1) - seq_start
+    return seq_start, seqlen, (pid - (seq_start // BLOCK + lo)) * BLOCK
+
+
+@triton.jit
+def _attn_kv_block(
+    # the query tile's running state
+    acc_main,
+    acc_tail,
+    m_i,
+    l_i,
+    # the key block's first key in the segment
+    kv_start,
+    # what the key loop reads (see the kernel): q's (main, tail) tiles, (K, KTail, token stride) and
+    # (V, VTail, token stride) (see _load_kv), (first token in the batch, head, length) of the segment,
+    # the (main, tail) head-dim columns, and the logits' scale
+    q,
+    keys,
+    values,
+    segment,
+    offs_d,
+    qk_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
+    MASK_KV: tl.constexpr,
+):
+    """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment; ``MASK_KV``
+    for the ragged last block."""
+    q_main, q_tail = q
+    seq_start, head, seqlen = segment
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    kv_mask = offs_n < seqlen
+    rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
+    block = (rows, kv_mask, seq_start + kv_start, head)
+
+    k_main = _load_kv(keys, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=False)
+    qk = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        k_tail = _load_kv(keys, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=True)
+        qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
+    if MASK_KV:
+        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
+
+    # The row max of the raw logits, scaled once per row (qk_scale > 0 keeps the order and rounding keeps it
+    # exact), so that scaling each logit and subtracting the max below is one FMA.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(q_main.dtype)
+
+    v_main = _load_kv(values, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=False)
+    acc_main = tl.dot(p, v_main, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        v_tail = _load_kv(
+            values, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=True
+        )
+        acc_tail = tl.dot(p, v_tail, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_main, acc_tail, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_segments", "search_steps"])
+def _vision_attn_kernel(
+    # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE). With DESCRIPTORS, K and V
+    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, D_MAIN) boxes, KTail and VTail with
+    # (BLOCK_N, 1, D_TAIL) boxes; without, K and V are pointers and KTail, VTail unused.
+    Q,
+    K,
+    V,
+    KTail,
+    VTail,
+    Out,
+    CuSeqlens,
+    Positions,
+    Lse,
+    # sizes
+    num_segments,
+    search_steps,
+    # scalars
+    qk_scale,
+    log2_theta,
+    # strides (tokens, heads); the last dim is contiguous. Lse is flat (H * T,): stride_lh = T.
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_lh,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    if STRIDES_ALIGNED:
+        # Multiples of 16 bytes on the host; proven so here, every K/V tile row moves in 16-byte async copies.
+        stride_qt, stride_qh = aligned_stride(stride_qt, Q), aligned_stride(stride_qh, Q)
+        if not DESCRIPTORS:
+            stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
+            stride_vt, stride_vh = aligned_stride(stride_vt, V), aligned_stride(stride_vh, V)
+        stride_ot, stride_oh = aligned_stride(stride_ot, Out), aligned_stride(stride_oh, Out)
+
+    seq_start, seqlen, m_start = program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_M)
+
+    if m_start < seqlen:
+        HAS_TAIL: tl.constexpr = D_TAIL > 0
+        D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+        # The segment's first token in 64-bit scalar arithmetic; offsets inside the batch stay 32-bit
+        # (vector address math in 64 bits costs registers and spills) unless T * stride can pass 2**31.
+        first = seq_start.to(tl.int64)
+        Q += first * stride_qt + head.to(tl.int64) * stride_qh
+        if not DESCRIPTORS:
+            K += first * stride_kt + head.to(tl.int64) * stride_kh
+            V += first * stride_vt + head.to(tl.int64) * stride_vh
+        Out += first * stride_ot + head.to(tl.int64) * stride_oh
+
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        q_mask = offs_m < seqlen
+        q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
+        offs_dm = tl.arange(0, D_MAIN)
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
+
+        # Placeholders, replaced when ROTATE_Q (Triton needs every name bound on both paths).
+        pos = (offs_m, offs_m)
+        rope_main = (offs_dm, offs_dm, offs_dm, offs_dm)
+        rope_tail = (offs_dt, offs_dt, offs_dt, offs_dt)
+        if ROTATE_Q:
+            Positions += first * stride_pt
+            rope_main = rope_dim_tables(offs_dm, HEAD_DIM, log2_theta)
+            rope_tail = rope_dim_tables(offs_dt, HEAD_DIM, log2_theta)
+            row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
+            col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
+            pos = (row_pos, col_pos)
+
+        q_main = _load_rotated(Q, q_rows, stride_qt, offs_dm, q_mask, pos, rope_main, HEAD_DIM, ROTATE_Q)
+        q_tail = q_main
+        acc_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
+        if HAS_TAIL:
+            q_tail = _load_rotated(Q, q_rows, stride_qt, offs_dt, q_mask, pos, rope_tail, HEAD_DIM, ROTATE_Q)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_main = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
+
+        # What every key block reads (see _attn_kv_block).
+        q = (q_main, q_tail)
+        keys = (K, KTail, stride_kt)
+        values = (V, VTail, stride_vt)
+        segment = (seq_start, head, seqlen)
+        offs_d = (offs_dm, offs_dt)
+        # Full key blocks need no row mask; the ragged last block is handled apart.
+        full_end = (seqlen // BLOCK_N) * BLOCK_N
+        for kv_start in range(0, full_end, BLOCK_N):
+            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
+                acc_main,
+                acc_tail,
+                m_i,
+                l_i,
+                kv_start,
+                q,
+                keys,
+                values,
+                segment,
+                offs_d,
+                qk_scale,
+                HEAD_DIM,
+                HAS_TAIL,
+                BLOCK_N,
+                D_MAIN,
+                D_TAIL_TILE,
+                DOT_PRECISION,
+                WIDE_OFFSETS,
+                DESCRIPTORS,
+                MASK_KV=False,
+            )
+        if full_end < seqlen:
+            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
+                acc_main,
+                acc_tail,
+                m_i,
+                l_i,
+                full_end,
+                q,
+                keys,
+                values,
+                segment,
+                offs_d,
+                qk_scale,
+                HEAD_DIM,
+                HAS_TAIL,
+                BLOCK_N,
+                D_MAIN,
+                D_TAIL_TILE,
+                DOT_PRECISION,
+                WIDE_OFFSETS,
+                DESCRIPTORS,
+                MASK_KV=True,
+            )
+
+        inv_l = 1.0 / l_i
+        out_rows = Out + q_rows[:, None] * stride_ot
+        tl.store(
+            out_rows + offs_dm[None, :],
+            (acc_main * inv_l[:, None]).to(Out.dtype.element_ty),
+            mask=q_mask[:, None] & (offs_dm[None, :] < HEAD_DIM),
+        )
+        if HAS_TAIL:
+            tl.store(
+                out_rows + offs_dt[None, :],
+                (acc_tail * inv_l[:, None]).to(Out.dtype.element_ty),
+                mask=q_mask[:, None] & (offs_dt[None, :] < HEAD_DIM),
+            )
+        if STORE_LSE:
+            # What the backward needs to rebuild each probability from one logit: the row's log-sum-exp of
+            # the scaled logits, natural log (m_i and log2(l_i) are in base 2).
+            lse = (m_i + tl.log2(l_i)) * LN2
+            tl.store(Lse + (head.to(tl.int64) * stride_lh + first) + offs_m, lse, mask=q_mask)
+
+
+def vision_attn_launches(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None,
+    positions: torch.Tensor | None,
+    rope_theta: float,
+    target: GPUTarget,
+    max_seqlen: int | None = None,
+    lse: torch.Tensor | None = None,
+    tiles: dict | None = None,
+) -> list[KernelLaunch]:
+    """The launches :func:`vision_attn` runs, in order, for checked arguments and its output ``out``
+    (contiguous ``(T, H, D)``, written by the last launch): with ``positions``, the rotary kernel rotating
+    k into a scratch tensor allocated here, then the attention kernel, tiled for the ``max_seqlen`` hint.
+    Given ``lse`` (fp32 flat ``(H * T,)``, head-major, what the backward needs), the attention kernel also writes
+    each row's log-sum-exp of the scaled logits into it (natural log); without it, nothing more than the
+    output is written. Empty when there is nothing to do. Reads shapes, strides, data pointers and the
+    host int ``max_seqlen`` only (no device sync).
+
+    ``tiles`` (the tuner's and the tests' handle) overrides :func:`launch_config`'s choice of any of
+    :data:`TILE_KEYS`. K and V load through TMA descriptors (built here, on the host, passed by value: CUDA-graph
+    safe) when the configuration asks for it, the target has TMA (:func:`tma_capable`) and every row of K and
+    V starts on a 16-byte boundary (TMA's alignment rule); otherwise through pointers."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_segments = cu_seqlens.shape[0] - 1
+    if num_tokens == 0 or num_heads == 0 or num_segments == 0:
+        return []
+    launches = []
+    apply_rope = positions is not None
+    if apply_rope:
+        # k is rotated once here; q, tile by tile, in the kernel (see :mod:`qvl.kernels.attention` for why).
+        k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target)
+        k = k_rotated
+    config = {**launch_config(head_dim, q.dtype, target, max_seqlen), **(tiles or {})}
+    kv_aligned = rows_16_byte_aligned(k, v)
+    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
+    flags = dict(
+        ROTATE_Q=apply_rope,
+        WIDE_OFFSETS=needs_wide_offsets(num_tokens, q, k, v, out, positions),
+        STRIDES_ALIGNED=kv_aligned and rows_16_byte_aligned(q, out),
+        STORE_LSE=lse is not None,
+    )
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
+    strides = dict(
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kt=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_vt=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_pt=positions.stride(0) if apply_rope else 0,
+        stride_lh=0 if lse is None else q.shape[0],
+    )
+    k_tail = v_tail = cu_seqlens  # Pointers a variant does not read get cu_seqlens as a placeholder.
+    if config["DESCRIPTORS"]:
+        k, k_tail = kv_descriptors(k, config)
+        v, v_tail = kv_descriptors(v, config)
+    args = dict(
+        # pointers (or K/V descriptors)
+        Q=q,
+        K=k,
+        V=v,
+        KTail=k_tail,
+        VTail=v_tail,
+        Out=out,
+        CuSeqlens=cu_seqlens,
+        Positions=positions if apply_rope else cu_seqlens,
+        Lse=cu_seqlens if lse is None else lse,
+        # sizes
+        num_segments=num_segments,
+        search_steps=segment_search_steps(num_segments),
+        # scalars
+        qk_scale=scale * math.log2(math.e),
+        log2_theta=math.log2(rope_theta),
+        **strides,
+    )
+    launches.append(KernelLaunch(_vision_attn_kernel, grid, args, {**config, **flags}))
+    return launches
+
+
+def vision_attn_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """Pure-torch varlen attention with the op's semantics; returns a contiguous tensor in q's dtype.
+
+    Computes in fp32 (float64 inputs in float64, the tests' ground truth). Reads ``cu_seqlens`` on the
+    host: this is the CPU path and the tests' oracle, not a GPU path. Differentiable with torch's autograd.
+    """
+    return _attention_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse=False)[0]
+
+
+def _attention_reference(
+    q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vision_attn_reference`'s output and, with ``with_lse``, the rows' log-sum-exp of the scaled
+    logits as the kernel stores it (fp32 flat ``(H * T,)``, head-major)."""
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    if positions is not None:
+        q, k = rotary_2d_reference(q, k, positions, rope_theta)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = _empty_lse(q) if with_lse else None
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].to(compute).transpose(0, 1) for x in (q, k, v))
+        logits = (qs @ ks.transpose(1, 2)) * scale
+        out[start:end] = (torch.softmax(logits, dim=-1) @ vs).transpose(0, 1).to(q.dtype)
+        if lse is not None:
+            lse.view(q.shape[1], q.shape[0])[:, start:end] = torch.logsumexp(logits, dim=-1)
+    return out, lse
+
+
+def check_attn_args(
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, read_values: bool = True
+) -> None:
+    op = "vision_attn"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, x, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{op}: {name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} must have q's dtype {q.dtype}, got {x.dtype}")
+    check_same_device(op, {"q": q, "k": k, "v": v})
+    head_dim = q.shape[-1]
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim D = q.shape[-1] must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if (
+        max_seqlen is not None
+        and not isinstance(max_seqlen, torch.SymInt)
+        and (not isinstance(max_seqlen, int) or max_seqlen < 0)
+    ):
+        raise ValueError(f"{op}: max_seqlen must be None or a non-negative int, got {max_seqlen!r}")
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"{op}: softmax_scale must be None or a finite number > 0, got {softmax_scale}")
+    check_cu_seqlens(op, cu_seqlens, q.shape[0], q.device, read_values)
+    if positions is not None:
+        check_rope_head_dim(op, head_dim)
+        check_rope_theta(op, rope_theta)
+        check_positions(op, positions, q.shape[0], q.device, read_values)
+
+
+@torch.library.custom_op("qvl::vision_attn", mutates_args=(), device_types=("cpu", "cuda"))
+def vision_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """Non-causal attention of each token over the tokens of its own segment.
+
+    Args:
+        q, k, v: ``(T, H, D)``, fp16/bf16/fp32, one dtype and device, last dim contiguous (token and
+            head strides free: ``qkv.view(T, 3, H, D).unbind(1)`` views work without copies). D <= 256.
+        cu_seqlens: int32 ``(B + 1,)`` on q's device: 0, non-decreasing, ends at T. Zero-length
+            segments and T = 0 are fine.
+        max_seqlen: optional tile hint: a host int bounding the segment lengths, e.g. the metadata's
+            ``max_seqlen`` or the window length of window attention (None: no bound). At most 64 picks
+            64-row query tiles in 16-bit dtypes (see :func:`launch_config`); nothing else depends on it.
+            It is never checked against ``cu_seqlens`` (that would need the values): a hint smaller than a
+            real segment still gives correct results, that segment just runs on more, smaller tiles. The
+            result may differ with the hint only by rounding order (the key-block size of the online
+            softmax).
+        softmax_scale: defaults to ``D ** -0.5``.
+        positions: optional int32 ``(T, 2)`` (row, col) per token: apply Qwen3-VL's 2D rotary embedding
+            (same result as :func:`rotary_2d` first). q is rotated as the kernel loads it; k once, into a
+            scratch ``(T, H, D)`` tensor freed on return. Needs D % 4 == 0.
+        rope_theta: rotary base, used with ``positions``.
+
+    Returns a new contiguous ``(T, H, D)`` tensor in q's dtype; softmax and accumulation in fp32.
+    Nothing is mutated. Any layout is accepted; one whose rows all start on 16-byte boundaries (packed qkv
+    views, contiguous tensors with D * itemsize a multiple of 16) loads faster. No device-to-host sync on
+    CUDA.
+
+    Differentiable in q, k and v (with ``positions`` too: the gradients reach the unrotated q and k). With
+    grad mode on and one of them requiring grad, the call runs :func:`vision_attn_with_lse`, which also
+    saves each row's log-sum-exp for the backward (:func:`vision_attn_backward`); otherwise this op writes
+    the output alone.
+    """
+    return _forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, with_lse=False)[0]
+
+
+@vision_attn.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, positions=None, rope_theta=10000.0):
+    check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, read_values=False)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _forward(
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output and, ``with_lse``, the log-sum-exp (else None), on the inputs' path."""
+    check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)
+    if backend_for(q.device) == "torch":
+        return _attention_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = _empty_lse(q) if with_lse else None
+    hint = None if max_seqlen is None else int(max_seqlen)
+    launches = vision_attn_launches(
+        q, k, v, out, cu_seqlens, softmax_scale, positions, rope_theta, device_target(q.device), hint, lse
+    )
+    run_launches(launches, q.device)
+    return out, lse
+
+
+def _empty_lse(q: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp of every (head, token) row: fp32, flat ``(H * T,)``, head ``h``'s tokens at ``h * T``. Flat,
+    so that its one stride is 1 whatever T is: a compiled training graph saves it for the backward, and a stride
+    of T there would be fixed at the first batch's value."""
+    return torch.empty(q.shape[1] * q.shape[0], dtype=torch.float32, device=q.device)
+
+
+@torch.library.custom_op("qvl::vision_attn_with_lse", mutates_args=(), device_types=("cpu", "cuda"))
+def vision_attn_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    softmax_scale: float | None,
+    positions: torch.Tensor | None,
+    rope_theta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vision_attn`'s forward for training: ``(out, lse)``, ``out`` computed as :func:`vision_attn`
+    computes it and ``lse`` each row's log-sum-exp of the scaled logits (natural log, fp32 contiguous
+    ``(H * T,)``, head ``h``'s tokens at ``h * T``; non-differentiable), which the same kernel writes with
+    STORE_LSE. Arguments as :func:`vision_attn`; nothing is mutated. Its autograd formula
+    (:mod:`~qvl.kernels.attention.backward`) runs :func:`~qvl.kernels.attention.vision_attn_backward`."""
+    return _forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, with_lse=True)
+
+
+@vision_attn_with_lse.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta):
+    check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta, read_values=False)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), _empty_lse(q)
