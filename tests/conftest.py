@@ -101,3 +101,20 @@ def bf16_dot_as_fp32(monkeypatch):
 
     monkeypatch.setattr(builder, "create_dot", create_dot)
     yield
+
+
+@pytest.fixture
+def tower_calls(monkeypatch):
+    """The vision modules whose patched forward ran on qvl (the runner's ``device_forward``), one entry per run: a
+    call that fell back to transformers' own forward adds nothing."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return device_forward(*args, **kwargs)
+
+    from qvl.vit import runner
+
+    device_forward = runner.device_forward
+    monkeypatch.setattr(runner, "device_forward", counted)
+    return calls

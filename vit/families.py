@@ -208,8 +208,9 @@ def family_of(model_type: str | None) -> Family | None:
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """Every ``model_type`` qvl serves, full models' and vision configs'."""
-    return tuple(model_type for family in FAMILIES for model_type in family.all_model_types)
+    """Every ``model_type`` qvl serves: the models', then their vision configs'."""
+    models = (model_type for family in FAMILIES for model_type in family.model_types)
+    return (*models, *(model_type for family in FAMILIES for model_type in family.vision_model_types))
 
 
 def _unsupported(model_type: object) -> ValueError:

@@ -214,8 +214,10 @@ class TowerBase(nn.Module):
     def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
         self._check_pixels(pixel_values, meta.num_tokens)
-        outputs = self._runner.encode(pixel_values, meta)
-        return outputs.merged, outputs.deepstack
+        if meta.num_tokens == 0:
+            outputs = self._runner.empty_outputs()
+            return outputs.merged, outputs.deepstack
+        return self._run_device(pixel_values.to(self.device), DeviceInputs.of(meta))
 
     def _run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The device part on device tensors: compiled after :meth:`compile`, else eager."""

@@ -433,12 +433,13 @@ class TowerRunner:
         checkpoint_blocks: bool = False,
     ) -> TowerOutputs:
         """The device part of a batch whose metadata is built (``hidden_states_out``, ``checkpoint_blocks``: see
-        :func:`device_forward`, which runs eagerly for them; other calls take :meth:`run_device`)."""
+        :func:`device_forward`). After :meth:`compile`, calls without either take the compiled code, which returns
+        no ``last_hidden_state`` (None); every other call runs eagerly and returns it."""
         if meta.num_tokens == 0:
             return self.empty_outputs()
         pixels, inputs = self._pixels(pixel_values), DeviceInputs.of(meta)
-        if hidden_states_out is None and not checkpoint_blocks:
-            return TowerOutputs(None, *self.run_device(pixels, inputs))
+        if self._compiled is not None and hidden_states_out is None and not checkpoint_blocks:
+            return TowerOutputs(None, *call_compiled(self._compiled, self.tree, pixels, inputs))
         return device_forward(
             self.tree,
             self.spec,

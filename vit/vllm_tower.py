@@ -163,9 +163,9 @@ def attach(model: nn.Module, vllm_config, family: Family) -> None:
     """Run ``model.visual`` on qvl when :func:`tower_mismatch` finds nothing, else leave it (one log line).
     Nothing of the model changes until everything qvl needs is in hand, so a failure leaves vLLM's tower."""
     visual = getattr(model, "visual", None)
-    world_size = get_tensor_model_parallel_world_size()
-    split = None if world_size == 1 else ("data" if getattr(model, "use_data_parallel", False) else "weights")
     try:
+        world_size = get_tensor_model_parallel_world_size()
+        split = None if world_size == 1 else ("data" if getattr(model, "use_data_parallel", False) else "weights")
         reason = tower_mismatch(visual, vllm_config, family, split)
         if reason is None:
             forward, compiled = _qvl_forward(visual, vllm_config, family, split)

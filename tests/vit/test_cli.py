@@ -25,7 +25,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from qvl.kernels import force_backend
-from qvl.vit import VisionConfig, VisionTransformer, cli
+from qvl.vit import VisionConfig, VisionTransformer, cli, families, processing
 from qvl.vit.checkpoint import save_vision_checkpoint
 from tolerance import assert_error_within
 from towers import float64_vision_outputs, hf_vision_model_of, vision_outputs
@@ -561,8 +561,9 @@ def import_without_torchvision(module_name: str, monkeypatch):
 
 
 def test_sample_frame_indices_qwen2_equal_qwen2_vl_video_processor(monkeypatch):
-    """cli.sample_frame_indices_qwen2 is transformers' Qwen2VLVideoProcessor.sample_frames with fps (Qwen2-VL's and
-    Qwen2.5-VL's): whole temporal patches; a video shorter than one patch, where transformers fails, is kept whole."""
+    """processing.sample_frame_indices_qwen2 is transformers' Qwen2VLVideoProcessor.sample_frames with fps
+    (Qwen2-VL's and Qwen2.5-VL's): whole temporal patches; a video shorter than one patch, where transformers
+    fails, is kept whole."""
     module = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl", monkeypatch)
     Qwen2VLVideoProcessor = module.Qwen2VLVideoProcessor  # noqa: N806
     checked = 0
@@ -571,7 +572,7 @@ def test_sample_frame_indices_qwen2_equal_qwen2_vl_video_processor(monkeypatch):
         for total in (1, 2, 3, 4, 5, 7, 16, 31, 100, 901, 5000):
             for video_fps in (1.0, 8.0, 23.976023976023978, 29.97002997002997, 60.0):
                 for fps in (0.5, 2.0, 3.3, 30.0):
-                    got = cli.sample_frame_indices_qwen2(total, video_fps, fps, max_frames)
+                    got = processing.sample_frame_indices_qwen2(total, video_fps, fps, max_frames)
                     metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
                     try:
                         expected = processor.sample_frames(metadata, fps=fps).tolist()
@@ -618,7 +619,8 @@ def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_ch
     output = tmp_path / "out.safetensors"
     assert encode(images[0], images[2], video, "--model", checkpoint, "-o", output) == 0
     log = capsys.readouterr().err
-    assert "Qwen2-VL tower" in log and "patch 14" in log and ("windows of 16 tokens" in log) == (name == "qwen2_5_vl")
+    assert f"{families.family_of(name).name} tower" in log and "patch 14" in log
+    assert ("windows of 16 tokens" in log) == (name == "qwen2_5_vl")
     tensors, metadata = read_output(output)
     assert sorted(tensors) == ["image.0.merged", "image.1.merged", "image.2.merged"]
     assert json.loads(metadata["deepstack_visual_indexes"]) == []
@@ -628,7 +630,8 @@ def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_ch
     processor = Qwen2VLImageProcessorPil(max_pixels=cli.DEFAULT_MAX_PIXELS)  # its defaults are Qwen2-VL's
     assert processor.patch_size == 14 and processor.size["shortest_edge"] == cli.QWEN2_VL_MIN_PIXELS
     assert (
-        tuple(processor.image_mean) == cli.QWEN2_VL_IMAGE_MEAN and tuple(processor.image_std) == cli.QWEN2_VL_IMAGE_STD
+        tuple(processor.image_mean) == processing.QWEN2_VL_IMAGE_MEAN
+        and tuple(processor.image_std) == processing.QWEN2_VL_IMAGE_STD
     )
     for index, path in enumerate((images[0], images[2])):
         batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")

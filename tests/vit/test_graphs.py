@@ -114,9 +114,9 @@ def device_runs(monkeypatch, tower) -> list[tuple[int, int]]:
     counts = []
     run_device = tower._run_device
 
-    def counted(pixel_values, cu_seqlens, *inputs):
-        counts.append((pixel_values.shape[0], cu_seqlens.shape[0] - 1))
-        return run_device(pixel_values, cu_seqlens, *inputs)
+    def counted(pixel_values, inputs):
+        counts.append((pixel_values.shape[0], inputs.cu_seqlens.shape[0] - 1))
+        return run_device(pixel_values, inputs)
 
     monkeypatch.setattr(tower, "_run_device", counted)
     return counts
@@ -174,7 +174,8 @@ def test_every_batch_of_a_budget_has_the_same_shapes(name):
     budget = 256
     grids = [GRID, [[1, 2, 2]], [[8, 2, 8]], [[1, 16, 16]], []]
     batches = [pad_batch(tower, grid, budget) for grid in grids]
-    shapes = {tuple(t.shape for t in DeviceInputs.of(batch.meta) if t is not None and not isinstance(t, int)) for batch in batches}
+    inputs = [DeviceInputs.of(batch.meta) for batch in batches]
+    shapes = {tuple(t.shape for t in tensors if isinstance(t, torch.Tensor)) for tensors in inputs}
     assert len(shapes) == 1
     for grid, batch in zip(grids, batches):
         assert batch.grid[: len(grid)].tolist() == grid and int(np.prod(batch.grid, axis=1).sum()) == budget

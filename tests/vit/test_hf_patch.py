@@ -11,7 +11,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from qvl.kernels import force_backend
-from qvl.vit import VisionTransformer, is_patched, patch_model, register_attention, runner, unpatch_model
+from qvl.vit import VisionTransformer, is_patched, patch_model, register_attention, unpatch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from tolerance import assert_error_within
 from towers import (
@@ -77,21 +77,6 @@ def vision_fields(output) -> list[torch.Tensor]:
     return [output.last_hidden_state, output.pooler_output, *getattr(output, "deepstack_features", [])]
 
 
-@pytest.fixture
-def tower_calls(monkeypatch):
-    """The vision modules whose patched forward ran on qvl (the runner's ``device_forward``), one entry per run: a
-    call that fell back to transformers' own forward adds nothing."""
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[0])
-        return device_forward(*args, **kwargs)
-
-    device_forward = runner.device_forward
-    monkeypatch.setattr(runner, "device_forward", counted)
-    return calls
-
-
 def prompt_for(grid):
     """Token ids with one vision-start marker and the image placeholders each image needs."""
     ids = [1, 2, 3]
@@ -110,6 +95,24 @@ def test_vision_model_outputs_unchanged():
         assert patch_model(hf) is hf and is_patched(hf)
         got = hf(pixels, grid_thw=grid)
     assert_error_within(vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]")
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "quick_gelu", "gelu_new"])
+def test_vision_mlp_activations_transformers_names(hidden_act, tower_calls):
+    """Every GELU a transformers config can name for the vision MLP runs on qvl's fused bias+GELU op."""
+    hf = hf_vision_model(seed=2, hidden_act=hidden_act, **TINY_VISION)
+    pixels, grid = pixel_values_for(GRID), torch.tensor(GRID)
+    truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)))
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid)
+        got = patch_model(hf)(pixels, grid_thw=grid)
+    assert tower_calls == [hf]
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what=hidden_act)
+
+
+def test_unsupported_vision_activation_is_refused_by_name():
+    with pytest.raises(ValueError, match="hidden_act.*'gelu_pytorch_tanh'.*got 'relu'"):
+        patch_model(hf_vision_model(seed=2, hidden_act="relu", **TINY_VISION))
 
 
 def test_compiled_patched_model_keeps_deepstack_features():

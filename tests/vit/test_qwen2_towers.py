@@ -50,9 +50,9 @@ FAMILIES = {
 }
 
 
-def vision_model(name: str, seed: int):
+def vision_model(name: str, seed: int, **overrides):
     config_class, kwargs, model_class, rotary = FAMILIES[name]
-    config = config_class(**kwargs)
+    config = config_class(**{**kwargs, **overrides})
     config._attn_implementation = "sdpa"
     return randomize(model_class(config), seed).eval(), rotary
 
@@ -107,6 +107,32 @@ def test_vision_model_outputs_unchanged(name, dtype):
     with torch.no_grad():  # a plain call too: return_dict and no hidden states
         plain = hf(pixels, grid_thw=grid, return_dict=False)
     torch.testing.assert_close(plain[1], got.pooler_output, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        # transformers' default full-attention blocks on a depth-2 tower: never reached, as in transformers.
+        ("qwen2_5_vl", dict(depth=2, fullatt_block_indexes=[7, 15, 23, 31])),
+        ("qwen2_vl", dict(hidden_act="gelu")),
+        ("qwen2_vl", dict(hidden_act="gelu_pytorch_tanh")),
+    ],
+    ids=["qwen2_5_vl-fullatt-past-depth", "qwen2_vl-gelu", "qwen2_vl-gelu-tanh"],
+)
+def test_configs_transformers_accepts_run_on_qvl(name, overrides, tower_calls):
+    """Configs transformers runs and qvl once refused: the tower runs on qvl (not the fallback) and matches."""
+    hf, rotary = vision_model(name, seed=2, **overrides)
+    pixels, grid = pixel_values_for(GRID, channels=PATCH_DIM), torch.tensor(GRID)
+
+    def run(model):
+        return [model(pixels.to(model.dtype), grid_thw=grid).pooler_output]
+
+    truth = float64_run(hf, run, *rotary)
+    with torch.no_grad():
+        expected = run(hf)
+        got = run(patch_model(hf))
+    assert tower_calls == [hf]
+    assert_error_within(got, truth, expected, what=f"{name} {overrides}")
 
 
 def test_models_found_and_unpatched():

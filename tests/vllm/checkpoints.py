@@ -252,3 +252,46 @@ def make_qwen2_5_vl(path, seed: int = 3) -> str:
         video={**video, "do_sample_frames": False},
     )
     return path
+
+
+def make_qwen2_vl(path, seed: int = 3) -> str:
+    """A tiny Qwen2-VL checkpoint in ``path`` (made if missing); returns the path as a string.
+
+    Vision: width 160 with 2 heads (head dim 80, as the real towers), depth 2, MLP ratio 2 with QuickGELU, patch
+    14, LayerNorms, full attention in every block. Text: as :func:`make_qwen2_5_vl`'s.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tokenizer = _write_tokenizer(path)
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}
+    config = Qwen2VLConfig(
+        text_config=_text_config(tokenizer, rope_parameters=rope),
+        vision_config=dict(
+            depth=2,
+            embed_dim=160,
+            num_heads=2,
+            mlp_ratio=2,
+            hidden_size=128,
+            hidden_act="quick_gelu",
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+        ),
+        tie_word_embeddings=False,
+        **_token_ids(tokenizer),
+    )
+    _save_model(path, Qwen2VLForConditionalGeneration, config, seed)
+    video = dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, min_frames=4, max_frames=16)
+    _processor_configs(
+        path,
+        "Qwen2VLProcessor",
+        "Qwen2VLVideoProcessor",
+        patch=14,
+        mean=OPENAI_CLIP_MEAN,
+        std=OPENAI_CLIP_STD,
+        image_pixels=(4 * 28 * 28, 80 * 28 * 28),
+        video={**video, "do_sample_frames": False},
+    )
+    return path

@@ -17,7 +17,7 @@ import pytest
 # may own that module name here.
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py"))
 
-from checkpoints import make_qwen2_5_vl, make_qwen3_vl  # noqa: E402
+from checkpoints import make_qwen2_5_vl, make_qwen2_vl, make_qwen3_vl  # noqa: E402
 from engine import run_engine  # noqa: E402,F401  (here too for tests that look for it in conftest)
 
 
@@ -31,3 +31,9 @@ def qwen3_vl_dir(tmp_path_factory) -> str:
 def qwen2_5_vl_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2.5-VL checkpoint directory (tests/vllm/checkpoints.py)."""
     return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2-VL checkpoint directory (tests/vllm/checkpoints.py)."""
+    return make_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))

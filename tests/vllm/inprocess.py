@@ -1,5 +1,6 @@
 """vLLM's vision modules built in the test process, without an engine: a one-rank vLLM world (gloo) and
-vLLM's own ``Qwen3_VisionTransformer`` loaded with a transformers tower's weights and post-processed the way
+vLLM's own vision tower of a family (Qwen3-VL's ``Qwen3_VisionTransformer``, Qwen2.5-VL's, Qwen2-VL's) loaded with
+a transformers tower's weights and post-processed the way
 vLLM's loader does (on CPU its linears pack their weights for oneDNN and keep an empty ``weight``)."""
 
 import functools
@@ -9,6 +10,14 @@ from types import SimpleNamespace
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+# A transformers vision config's model_type -> vLLM's module and tower class for it.
+VLLM_TOWERS = {
+    "qwen3_vl_vision": ("vllm.model_executor.models.qwen3_vl", "Qwen3_VisionTransformer"),
+    "qwen3_5_vision": ("vllm.model_executor.models.qwen3_vl", "Qwen3_VisionTransformer"),
+    "qwen2_5_vl_vision": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VisionTransformer"),
+    "qwen2_vl_vision": ("vllm.model_executor.models.qwen2_vl", "Qwen2VisionTransformer"),
+}
 
 
 def _free_port() -> int:
@@ -44,14 +53,17 @@ def process_weights(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def vllm_tower_of(hf_model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """vLLM's Qwen3-VL tower with ``hf_model``'s configuration and weights, in ``dtype``."""
-    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+    """vLLM's tower of ``hf_model``'s family (Qwen3-VL's ``Qwen3_VisionTransformer``, Qwen2.5-VL's or Qwen2-VL's)
+    with its configuration and weights, in ``dtype``."""
+    import importlib
 
+    module, tower_class = VLLM_TOWERS[hf_model.config.model_type]
+    tower_class = getattr(importlib.import_module(module), tower_class)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with set_current_vllm_config(vllm_world()):
-            tower = Qwen3_VisionTransformer(hf_model.config, norm_eps=1e-6, prefix="visual")
+            tower = tower_class(hf_model.config, norm_eps=1e-6, prefix="visual")
     finally:
         torch.set_default_dtype(previous)
     state = {name: tensor.to(dtype) for name, tensor in hf_model.state_dict().items()}

@@ -9,7 +9,9 @@ and each is made once per session and shared by the tests that read it. Which ru
 * qvl's default (both routes): fp32 through Triton's interpreter (the real kernels inside vLLM), bf16 on
   the torch path in vLLM's own multi-process layout (the plugin loads in spawned processes), and two ranks
   in vLLM's ``mm_encoder_tp_mode="weights"`` and ``"data"``.
-* ``QVL_VLLM=attention`` on Qwen3-VL, and Qwen2.5-VL (whose tower qvl does not take): the attention route.
+* ``QVL_VLLM=attention`` on Qwen3-VL: the attention route alone.
+* Qwen2.5-VL (window attention) and Qwen2-VL through qvl's tower route (the same runner as Qwen3-VL's), fp32
+  through the interpreter, each against vLLM alone.
 
 Under pytest-xdist (``--dist loadgroup``) the tests that share a run stay in one worker's cache: the tests that
 compare with the fp32 Qwen3-VL baseline in one group, the others in a second, which another worker can run.
@@ -39,6 +41,8 @@ RUNS = {
     "qwen3/fp32/qvl-tp2-data": ("qwen3_vl_dir", "float32", 2, "data", {**QVL, **TORCH_PATH}),
     "qwen2_5/fp32/vllm": ("qwen2_5_vl_dir", "float32", 1, None, {"VLLM_PLUGINS": "", **IN_PROCESS, **TORCH_PATH}),
     "qwen2_5/fp32/qvl": ("qwen2_5_vl_dir", "float32", 1, None, {**QVL, **IN_PROCESS, **INTERPRETER}),
+    "qwen2/fp32/vllm": ("qwen2_vl_dir", "float32", 1, None, {"VLLM_PLUGINS": "", **IN_PROCESS, **TORCH_PATH}),
+    "qwen2/fp32/qvl": ("qwen2_vl_dir", "float32", 1, None, {**QVL, **IN_PROCESS, **INTERPRETER}),
 }  # fmt: skip
 
 
@@ -116,10 +120,15 @@ def test_qwen3_vl_two_ranks(engine, mode):
 
 
 @OWN_BASELINES
-def test_qwen2_5_vl_attention_route(engine):
-    """Qwen2.5-VL's window attention and full-attention blocks both call MMEncoderAttention with cu_seqlens."""
-    baseline, result = engine("qwen2_5/fp32/vllm"), engine("qwen2_5/fp32/qvl")
-    assert_same_tokens(result, baseline, "Qwen2.5-VL fp32, qvl attention")
-    (worker_counts,) = counts(result)
-    assert worker_counts["attention"] > 0 and worker_counts["attention_fallback"] == 0, worker_counts
-    assert worker_counts["tower"] == 0
+@pytest.mark.parametrize(
+    "family, architecture",
+    [("qwen2_5", "Qwen2_5_VLForConditionalGeneration"), ("qwen2", "Qwen2VLForConditionalGeneration")],
+)
+def test_qwen2_family_tower_route(engine, family, architecture):
+    """Qwen2.5-VL (windows, RMSNorm, vLLM's stacked gate_up SwiGLU) and Qwen2-VL (LayerNorm, QuickGELU) through
+    qvl's tower runner over vLLM's modules: the same greedy tokens as vLLM alone."""
+    baseline, result = engine(f"{family}/fp32/vllm"), engine(f"{family}/fp32/qvl")
+    assert_same_tokens(result, baseline, f"{architecture} fp32, qvl tower")
+    (worker,) = result["worker_info"]
+    assert worker["qvl"]["counts"]["tower"] > 0 and worker["qvl"]["counts"]["tower_fallback"] == 0, worker["qvl"]
+    assert worker["qvl"]["towers"] == [{"model": architecture, "split": None, "compiled": False}]

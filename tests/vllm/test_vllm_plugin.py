@@ -46,7 +46,8 @@ def case(env, prepare=None):
         "log": list(records),
         "oot": None if oot is None else oot.__name__,
         "models": {arch: getattr(ModelRegistry.models[arch], "module_name", None)
-                   for arch in ("Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")},
+                   for arch in ("Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                "Qwen2VLForConditionalGeneration")},
     }
 
 def changed_signature():
@@ -95,7 +96,8 @@ def test_register_switch_and_unrecognised_vllm():
     default = results["default"]
     assert default["oot"] == "QvlEncoderAttention" and default["state"]["attention"]
     assert default["models"]["Qwen3VLForConditionalGeneration"] == towers
-    assert default["models"]["Qwen2_5_VLForConditionalGeneration"] != towers
+    assert default["models"]["Qwen2_5_VLForConditionalGeneration"] == towers
+    assert default["models"]["Qwen2VLForConditionalGeneration"] == towers
     assert "Qwen3_5ForConditionalGeneration" in default["state"]["tower_architectures"]
     assert len(default["log"]) == 1 and default["log"][0].startswith("qvl: active (QVL_VLLM=all)")
 

@@ -1,7 +1,9 @@
-"""qvl's tower route over vLLM's own Qwen3-VL tower (qvl.vit.vllm_tower), in process, against vLLM's forward
-and a float64 transformers truth; what it refuses; its compiled forward."""
+"""qvl's tower route over vLLM's own towers (qvl.vit.vllm_tower: Qwen3-VL's, Qwen3.5's, Qwen2.5-VL's and
+Qwen2-VL's), in process, against vLLM's forward and a float64 transformers truth; what it refuses; its compiled
+forward."""
 
 import contextlib
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from inprocess import model_config_of, vllm_tower_of
 from qvl.kernels.common import force_backend
 from qvl.vit import vllm_routes, vllm_tower
+from qvl.vit.families import family_of
 from tolerance import assert_error_within
 from towers import (
     VISION_KWARGS,
@@ -29,7 +32,7 @@ def attached(hf_model, dtype, **config):
     visual = vllm_tower_of(hf_model, dtype)
     model = SimpleNamespace(visual=visual, use_data_parallel=False)
     vllm_forward = visual.forward
-    vllm_tower.attach(model, model_config_of(hf_model.config, **config))
+    vllm_tower.attach(model, model_config_of(hf_model.config, **config), family_of(hf_model.config.model_type))
     assert isinstance(visual.forward, vllm_tower.QvlTowerForward)
     return visual, vllm_forward
 
@@ -78,18 +81,20 @@ def test_encoder_metadata_calls_keep_vllm_forward():
 
 def test_mismatches_leave_vllm_tower():
     hf_model = hf_vision_model(seed=1)
+    family = family_of(hf_model.config.model_type)
     visual = vllm_tower_of(hf_model, torch.float32)
     config = model_config_of(hf_model.config)
-    assert vllm_tower.tower_mismatch(visual, config) is None
+    assert vllm_tower.tower_mismatch(visual, config, family) is None
     quantized = model_config_of(hf_model.config, quant_config=SimpleNamespace(get_name=lambda: "fp8"))
-    assert "quantized" in vllm_tower.tower_mismatch(visual, quantized)
-    assert "not vLLM's Qwen3_VisionTransformer" in vllm_tower.tower_mismatch(torch.nn.Linear(2, 2), config)
-    other_act = model_config_of(SimpleNamespace(**{**vars(hf_model.config), "hidden_act": "silu"}))
-    assert "hidden_act" in vllm_tower.tower_mismatch(visual, other_act)
+    assert "quantized" in vllm_tower.tower_mismatch(visual, quantized, family)
+    assert "differs from what qvl expects" in vllm_tower.tower_mismatch(torch.nn.Linear(2, 2), config, family)
+    other_act = copy.deepcopy(hf_model.config)
+    other_act.hidden_act = "silu"
+    assert "hidden_act" in vllm_tower.tower_mismatch(visual, model_config_of(other_act), family)
     visual.blocks[1].norm2 = torch.nn.RMSNorm(visual.hidden_size)
-    assert "LayerNorm" in vllm_tower.tower_mismatch(visual, config)
+    assert "LayerNorm" in vllm_tower.tower_mismatch(visual, config, family)
     model = SimpleNamespace(visual=visual, use_data_parallel=False)
-    vllm_tower.attach(model, config)
+    vllm_tower.attach(model, config, family)
     assert "forward" not in vars(visual), "a mismatched tower must keep vLLM's forward"
 
 
@@ -103,7 +108,7 @@ def test_failure_while_attaching_leaves_vllm_tower(monkeypatch):
 
     monkeypatch.setattr(vllm_tower, "get_tensor_model_parallel_world_size", no_group)
     before = vllm_routes.towers()
-    vllm_tower.attach(model, model_config_of(hf_model.config))
+    vllm_tower.attach(model, model_config_of(hf_model.config), family_of(hf_model.config.model_type))
     assert "forward" not in vars(visual) and model.use_data_parallel
     assert vllm_routes.towers() == before
 
@@ -139,7 +144,7 @@ def test_qwen3_5_tower_without_deepstack():
     with torch.no_grad(), rotary_in_float64(modeling_qwen3_5, "Qwen3_5VisionRotaryEmbedding"):
         truth = float64_copy(hf_model)(pixel_values.double(), grid_thw=torch.tensor(GRID)).pooler_output
     visual, vllm_forward = attached(hf_model, torch.float32)
-    assert visual.forward.config.deepstack_visual_indexes == ()
+    assert visual.forward.runner.config.deepstack_visual_indexes == ()
     with torch.no_grad():
         baseline = vllm_forward(pixel_values, grid_thw=GRID)
         out = visual(pixel_values, grid_thw=GRID)
@@ -150,11 +155,62 @@ def test_model_classes_are_vllm_subclasses():
     """What vLLM imports for each registered architecture: its own model class, plus the tower hook."""
     import importlib
 
-    for architecture, module in vllm_tower.ARCHITECTURES.items():
+    for architecture, (_, module) in vllm_tower.ARCHITECTURES.items():
         model_class = getattr(vllm_tower, architecture)
         base = getattr(importlib.import_module(module), architecture)
         assert issubclass(model_class, base) and model_class is not base
         assert model_class.__name__ == architecture and model_class.__module__ == vllm_tower.__name__
         assert getattr(vllm_tower, architecture) is model_class  # built once
     with pytest.raises(AttributeError):
-        vllm_tower.Qwen2_5_VLForConditionalGeneration
+        vllm_tower.LlavaForConditionalGeneration
+
+
+# name -> (transformers' class prefix, vision model class, vision config). Qwen2.5-VL: 56-px windows (2 x 2 merged
+# tokens) that the grids below cut into partial ones, full attention in block 1 only; Qwen2-VL: QuickGELU. Head
+# dim 32 both.
+QWEN2_FAMILIES = {
+    "qwen2_5_vl": (
+        "Qwen2_5_VL",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        dict(
+            depth=2,
+            hidden_size=64,
+            num_heads=2,
+            intermediate_size=96,
+            out_hidden_size=96,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+    ),
+    "qwen2_vl": (
+        "Qwen2VL",
+        "Qwen2VisionTransformerPretrainedModel",
+        dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=96),
+    ),
+}
+QWEN2_GRID = [[1, 6, 10], [2, 4, 6], [1, 2, 2]]
+
+
+@pytest.mark.parametrize("name", sorted(QWEN2_FAMILIES))
+def test_qwen2_family_towers_match_vllm_and_float64(name):
+    """vLLM's Qwen2.5-VL tower (RMSNorm, stacked gate_up SwiGLU, windows) and Qwen2-VL tower (LayerNorm,
+    QuickGELU) on qvl's runner, fp32 through the interpreter, against vLLM's own forward and transformers in
+    float64."""
+    import importlib
+
+    prefix, model_class, kwargs = QWEN2_FAMILIES[name]
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    configuration = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+    config = getattr(configuration, f"{prefix}VisionConfig")(**kwargs)
+    config._attn_implementation = "sdpa"
+    hf_model = randomize(getattr(modeling, model_class)(config), seed=9).eval()
+    pixel_values = pixel_values_for(QWEN2_GRID, seed=10, channels=3 * 2 * 14 * 14)
+    with torch.no_grad(), rotary_in_float64(modeling, f"{prefix}VisionRotaryEmbedding"):
+        truth = float64_copy(hf_model)(pixel_values.double(), grid_thw=torch.tensor(QWEN2_GRID)).pooler_output
+    visual, vllm_forward = attached(hf_model, torch.float32)
+    with torch.no_grad():
+        baseline = vllm_forward(pixel_values, grid_thw=QWEN2_GRID)
+        before = vllm_routes.route_counts()["tower"]
+        out = visual(pixel_values, grid_thw=QWEN2_GRID)
+    assert vllm_routes.route_counts()["tower"] == before + 1
+    assert_error_within(out, truth, baseline, what=f"vLLM's {name} tower on qvl")
