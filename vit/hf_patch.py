@@ -1,8 +1,10 @@
 """``qvl.vit.patch_model(model)``: run a transformers Qwen3-VL (or Qwen2.5-VL, Qwen2-VL) model's vision tower on
 qvl kernels.
 
-The patch replaces only the ``forward`` of the model's vision module instance with one that runs the tower runner
-(:mod:`qvl.vit.runner`) over the module's *own* parameters. Nothing is copied or renamed,
+The patch replaces the ``forward`` of the model's vision module instance with one that runs the tower runner
+(:mod:`qvl.vit.runner`) over the module's *own* parameters, calling its patch embedding, position table, blocks
+and mergers as modules whose forwards then run qvl's ops (transformers' own on any other call). Nothing is copied
+or renamed,
 so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype casts keep working, and
 the weights stay where transformers put them. Training runs on qvl too (every op has a backward; adapters in the
 linears' places and gradient checkpointing are honoured). Calls that qvl's fused tower cannot serve (attention
@@ -21,7 +23,7 @@ from torch import nn
 
 from .families import config_from_hf, family_of, supported_model_types
 from .parallel import make_parallel
-from .runner import TowerRunner
+from .runner import TowerRunner, forward_slot, install_module_forwards, remove_module_forwards
 from .towers import tower_class_of
 
 __all__ = [
@@ -68,12 +70,6 @@ def _vision_module(model: nn.Module, caller: str) -> nn.Module:
         " their MoE variants, Qwen3-Omni-MoE, Qwen2.5-VL and Qwen2-VL, full, inner or vision models and subclasses),"
         " or a module whose .model (or .thinker) is one"
     )
-
-
-def _checkpointing(visual: nn.Module) -> bool:
-    """Whether transformers would checkpoint the tower's blocks: ``gradient_checkpointing_enable()`` marks each
-    block (a ``GradientCheckpointingLayer``), which checkpoints while the module trains."""
-    return visual.training and any(getattr(block, "gradient_checkpointing", False) for block in visual.blocks)
 
 
 def _select_hidden_states(states: list[torch.Tensor], request) -> tuple[torch.Tensor | None, ...]:
@@ -163,20 +159,13 @@ class _PatchedForward:
             return self.original_forward()(hidden_states, grid_thw, **kwargs)
 
         hidden = [] if output_hidden_states else None
-        checkpoint = _checkpointing(self.visual)
         runner = self.runner
         if self.data_parallel is None:
             meta = runner.metadata(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw)
-            last_hidden, merged, deepstack = runner.encode(
-                hidden_states, meta, hidden_states_out=hidden, checkpoint_blocks=checkpoint
-            )
+            last_hidden, merged, deepstack = runner.encode(hidden_states, meta, hidden_states_out=hidden)
         else:
             last_hidden = None
-
-            def encode_share(pixels, grid):
-                return runner.encode(pixels, runner.metadata(grid), checkpoint_blocks=checkpoint)[1:]
-
-            merged, deepstack = self.data_parallel.run(hidden_states, grid_thw, encode_share, runner.device)
+            merged, deepstack = self.data_parallel.run(hidden_states, grid_thw, runner.encode_grid, runner.device)
         fields = {"last_hidden_state": last_hidden, "pooler_output": merged}
         if self.config.deepstack_visual_indexes:
             fields["deepstack_features"] = deepstack
@@ -187,17 +176,6 @@ class _PatchedForward:
         return output if kwargs.get("return_dict", getattr(hf_config, "return_dict", True)) else output.to_tuple()
 
 
-def _forward_slot(visual: nn.Module) -> str:
-    """The attribute that holds the forward the module runs. accelerate's ``add_hook_to_module`` moves it to
-    ``_old_forward`` and sets ``forward`` to a wrapper that runs the hook's ``pre_forward`` (moving inputs,
-    loading offloaded weights) before calling it."""
-    return (
-        "_old_forward"
-        if getattr(visual, "_hf_hook", None) is not None and "_old_forward" in vars(visual)
-        else "forward"
-    )
-
-
 def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
     """The slot holding the patched forward and that forward, or ``(slot to patch, None)`` when unpatched. The
     slot may have changed since patching: accelerate moves a patched forward into ``_old_forward`` when it
@@ -206,7 +184,7 @@ def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
         patched = vars(visual).get(slot)
         if isinstance(patched, _PatchedForward):
             return slot, patched
-    return _forward_slot(visual), None
+    return forward_slot(visual), None
 
 
 def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) -> nn.Module:
@@ -247,8 +225,15 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     ``parallel="weights"`` raises ValueError: build ``VisionTransformer.from_hf(visual, parallel="weights")``
     (``Qwen2VisionTransformer.from_hf`` for Qwen2.5-VL / Qwen2-VL) instead.
 
-    Forward hooks registered with torch on the tower's submodules do not run on qvl's path, which never calls
-    the submodules.
+    The patched tower calls the patch embedding, the position table, each block and each merger as modules whose
+    forwards run qvl's ops (:class:`qvl.vit.runner.ModuleForward`, installed here and removed by
+    :func:`unpatch_model`; any other call of them runs transformers' forward), so hooks and wrappers on them act
+    as on transformers' own: FSDP2's unshard and reshard, DeepSpeed ZeRO-3's gather and release, torch's
+    ``checkpoint_wrapper``, and transformers' gradient checkpointing through each block's own
+    ``_gradient_checkpointing_func`` (the function and kwargs ``gradient_checkpointing_enable`` installed). Inside
+    a block qvl reads that block's parameters only. Linear layers inside a block that carry hooks (ZeRO-3's,
+    PEFT's) are called too; norms are read, so under ZeRO-3 they rely on its persistence threshold (every vision
+    norm is far below the default).
     """
     visual = _vision_module(model, "patch_model")
     # The config check rejects a tower qvl cannot run, before anything changes.
@@ -260,7 +245,7 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
-    _install(visual, TowerRunner(visual, config, family.names), data_parallel)
+    _install(visual, TowerRunner(visual, config, family.names, module_calls=True), data_parallel)
     return model
 
 
@@ -272,6 +257,7 @@ def _install(visual: nn.Module, runner: TowerRunner, data_parallel) -> None:
     else:
         replaced_forward, replaced_extra_repr = current.replaced_forward, current.replaced_extra_repr
     patched = _PatchedForward(visual, replaced_forward, replaced_extra_repr, runner, data_parallel)
+    install_module_forwards(visual, runner.spec)
     setattr(visual, slot, patched)
     visual.extra_repr = patched.extra_repr
 
@@ -295,6 +281,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         del visual.extra_repr
     else:
         visual.extra_repr = patched.replaced_extra_repr
+    remove_module_forwards(visual, patched.runner.spec)
     return model
 
 

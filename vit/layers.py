@@ -71,11 +71,16 @@ def linear_parts(module: nn.Module) -> tuple[torch.Tensor | Product, torch.Tenso
 def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """A tower's patch embedding: ``proj`` a bias-optional ``nn.Conv3d`` whose kernel equals its stride, on
     ``pixel_values`` ``(T, C * t * p * p)``: one matmul (the conv of one patch is a dot product), or a call of
-    ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype."""
+    ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype.
+
+    A called ``proj`` is shaped from its own attributes (``in_channels``, ``kernel_size``, ``out_channels``), not from
+    its weight, which a training stack may hold as a placeholder outside the call (DeepSpeed ZeRO-3 gathers it
+    for the call and releases it after)."""
     weight = proj.weight
     pixel_values = pixel_values.to(weight.dtype)
     if runs_itself(proj):
-        return proj(pixel_values.view(-1, *weight.shape[1:])).view(-1, weight.shape[0])
+        patches = pixel_values.view(-1, proj.in_channels, *proj.kernel_size)
+        return proj(patches).view(-1, proj.out_channels)
     return F.linear(pixel_values, weight.view(weight.shape[0], -1), proj.bias)
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -57,6 +59,7 @@ from .metadata import VisionMetadata, build_metadata, build_window_metadata
 __all__ = [
     "DeviceInputs",
     "LinearParts",
+    "ModuleForward",
     "TowerOutputs",
     "TowerRunner",
     "TowerSpec",
@@ -64,8 +67,13 @@ __all__ = [
     "build_tower_metadata",
     "call_compiled",
     "device_forward",
-    "embed_step",
+    "forward_slot",
+    "install_module_forwards",
     "merger_step",
+    "patch_embed_step",
+    "position_step",
+    "remove_module_forwards",
+    "unwrapped",
 ]
 
 # A linear module -> (weight or bias-less product, bias), the arguments the layer functions take for it.
@@ -202,20 +210,20 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> tuple[to
     return torch.ops.qvl.add_layer_norm(x, delta, weight, bias, eps)
 
 
-def embed_step(tree: nn.Module, spec: TowerSpec, pixel_values: torch.Tensor, inputs: DeviceInputs) -> torch.Tensor:
-    """The patch embedding (one matmul), the resampled position table added where the tower has one, and for a
-    windowed tower the tokens put into window order by whole merge units. Returns the first block's input
-    ``(T, C)``."""
-    x = embed_patches(tree.patch_embed.proj, pixel_values)
-    if spec.position_table:
-        table = tree.pos_embed.weight
-        if needs_grad(x, table):
-            x = x + torch.ops.qvl.pos_embed_interp(table, inputs.interp_indices, inputs.interp_weights).to(x.dtype)
-        else:
-            torch.ops.qvl.pos_embed_interp_add_(x, table, inputs.interp_indices, inputs.interp_weights)
-    if spec.windowed:
-        unit = spec.spatial_merge_size**2
-        x = x.view(-1, unit, x.shape[1]).index_select(0, inputs.window_index).view(-1, x.shape[1])
+def patch_embed_step(patch_embed: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """The patch embedding (``patch_embed.proj``, one matmul): ``(T, C)`` in the weight's dtype."""
+    return embed_patches(patch_embed.proj, pixel_values)
+
+
+def position_step(
+    pos_embed: nn.Module, x: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """``x`` plus the learned position table (``pos_embed.weight``) resampled per token; in place unless autograd
+    records it."""
+    table = pos_embed.weight
+    if needs_grad(x, table):
+        return x + torch.ops.qvl.pos_embed_interp(table, interp_indices, interp_weights).to(x.dtype)
+    torch.ops.qvl.pos_embed_interp_add_(x, table, interp_indices, interp_weights)
     return x
 
 
@@ -232,9 +240,10 @@ def _mlp(mlp: nn.Module, h: torch.Tensor, spec: TowerSpec, all_reduce, linear: L
 
 def block_step(
     block: nn.Module,
-    windowed: bool,
     x: torch.Tensor,
     delta: torch.Tensor | None,
+    *,
+    windowed: bool,
     spec: TowerSpec,
     inputs: DeviceInputs,
     all_reduce: AllReduce | None = None,
@@ -266,6 +275,7 @@ def block_step(
 def merger_step(
     merger: nn.Module,
     x: torch.Tensor,
+    *,
     spec: TowerSpec,
     postshuffle_norm: bool,
     all_reduce: AllReduce | None = None,
@@ -288,6 +298,21 @@ def merger_step(
     )
 
 
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside activation-checkpoint / offload wrappers (torch's ``checkpoint_wrapper``)."""
+    while hasattr(module, "_checkpoint_wrapped_module"):
+        module = module._checkpoint_wrapped_module
+    return module
+
+
+def _run_step(module: nn.Module, step: Callable, *args, **options):
+    return step(unwrapped(module), *args, **options)
+
+
+def _call_module(module: nn.Module, step: Callable, *args, **options):
+    return module(*args, qvl=(step, options))
+
+
 def device_forward(
     tree: nn.Module,
     spec: TowerSpec,
@@ -297,7 +322,7 @@ def device_forward(
     all_reduce: AllReduce | None = None,
     linear: LinearParts | None = None,
     hidden_states_out: list[torch.Tensor] | None = None,
-    checkpoint_blocks: bool = False,
+    module_calls: bool = False,
 ) -> TowerOutputs:
     """The device part of a tower's forward over a module tree with transformers' layout.
 
@@ -315,14 +340,23 @@ def device_forward(
             module in its place (a PEFT LoRA adapter, a hooked linear) called.
         hidden_states_out: a list that receives the residual stream as transformers' ``output_hidden_states``
             records it: the first block's input, then each block's output, ``depth + 1`` new tensors ``(T, C)``.
-        checkpoint_blocks: run each block under activation checkpointing (recomputed in backward), as
-            transformers' ``gradient_checkpointing_enable()`` does.
+        module_calls: call the patch embedding, the position table, each block and each merger as modules
+            (``module(*tensors, qvl=(step, options))``, which :func:`install_module_forwards` makes run the step), so
+            their hooks and wrappers act (FSDP2's unshard, ZeRO-3's gather, checkpoint wrappers, transformers'
+            checkpointing); else each step runs on the module directly.
 
     Forward and backward: every op has a backward, and the in-place ones give way to out-of-place forms where
     autograd records them. Returns :class:`TowerOutputs`.
     """
     linear = linear or linear_parts
-    x = embed_step(tree, spec, pixel_values, inputs)
+    call = _call_module if module_calls else _run_step
+    parts = dict(spec=spec, all_reduce=all_reduce, linear=linear)
+    x = call(tree.patch_embed, patch_embed_step, pixel_values)
+    if spec.position_table:
+        x = call(tree.pos_embed, position_step, x, inputs.interp_indices, inputs.interp_weights)
+    if spec.windowed:  # whole merge units into window order
+        unit = spec.spatial_merge_size**2
+        x = x.view(-1, unit, x.shape[1]).index_select(0, inputs.window_index).view(-1, x.shape[1])
     # int(): under torch.compile(dynamic=True) ints read from a plain object may arrive symbolic, and Dynamo then
     # took ``index in (symbolic ints)`` for False and dropped the deepstack features; int() specializes them.
     deepstack_mergers = {int(layer): n for n, layer in enumerate(spec.deepstack_visual_indexes)}
@@ -332,13 +366,8 @@ def device_forward(
         hidden_states_out.append(x)
     deepstack, delta = [], None
     for index, block in enumerate(blocks):
-        windowed = spec.windowed and index not in full_attention_blocks
-        if checkpoint_blocks:
-            x, delta = torch.utils.checkpoint.checkpoint(
-                block_step, block, windowed, x, delta, spec, inputs, all_reduce, linear, use_reentrant=False
-            )
-        else:
-            x, delta = block_step(block, windowed, x, delta, spec, inputs, all_reduce, linear)
+        options = dict(windowed=spec.windowed and index not in full_attention_blocks, inputs=inputs, **parts)
+        x, delta = call(block, block_step, x, delta, **options)
         # The block's output, summed where something reads it; elsewhere the next block's norm adds it.
         if index + 1 == len(blocks) or index in deepstack_mergers or hidden_states_out is not None:
             x, delta = x + delta, None
@@ -346,11 +375,78 @@ def device_forward(
             hidden_states_out.append(x)
         if index in deepstack_mergers:
             merger = getattr(tree, spec.names.deepstack_mergers)[deepstack_mergers[index]]
-            deepstack.append(merger_step(merger, x, spec, True, all_reduce, linear))
-    merged = merger_step(tree.merger, x, spec, False, all_reduce, linear)
+            deepstack.append(call(merger, merger_step, x, postshuffle_norm=True, **parts))
+    merged = call(tree.merger, merger_step, x, postshuffle_norm=False, **parts)
     if spec.windowed:
         merged = merged.index_select(0, inputs.reverse_index)
     return TowerOutputs(x, merged, deepstack)
+
+
+class ModuleForward:
+    """A module's forward while qvl's runner calls it as a module (:func:`install_module_forwards`).
+
+    A call carrying ``qvl=(step, options)`` runs ``step(module, *args, **options)``: qvl's ops on the module's own
+    parameters, inside the module's call, where its hooks have acted (FSDP2 unsharded it, ZeRO-3 gathered it).
+    Where transformers' gradient checkpointing is on for the module (a ``GradientCheckpointingLayer`` after
+    ``gradient_checkpointing_enable``, in training, grad mode on), the step runs through the module's own
+    ``_gradient_checkpointing_func``: whatever function and kwargs the user, a trainer or a library installed.
+    Any other call runs the forward this one replaced (transformers' own, e.g. its unfused fallback).
+    """
+
+    def __init__(self, module: nn.Module, replaced: Callable | None):
+        self.module = module
+        self.replaced = replaced
+
+    def original_forward(self) -> Callable:
+        """The forward this one replaced, bound to the module."""
+        return self.replaced or types.MethodType(type(self.module).forward, self.module)
+
+    def __call__(self, *args, qvl: tuple[Callable, dict] | None = None, **kwargs):
+        if qvl is None:
+            return self.original_forward()(*args, **kwargs)
+        step, options = qvl
+        module = self.module
+        if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
+            # The tensors go positionally, as transformers asks for its reentrant checkpointing.
+            return module._gradient_checkpointing_func(functools.partial(step, module, **options), *args)
+        return step(module, *args, **options)
+
+
+def forward_slot(module: nn.Module) -> str:
+    """The attribute that holds the forward a module runs. accelerate's ``add_hook_to_module`` moves it to
+    ``_old_forward`` and sets ``forward`` to a wrapper that runs the hook's ``pre_forward`` (moving inputs,
+    loading offloaded weights) before calling it."""
+    hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in vars(module)
+    return "_old_forward" if hooked else "forward"
+
+
+def _called_parts(tree: nn.Module, spec: TowerSpec) -> list[nn.Module]:
+    """The modules :func:`device_forward` calls with ``module_calls=True``, inside any wrappers."""
+    parts = [tree.patch_embed, *(tree.pos_embed for _ in range(spec.position_table)), *tree.blocks, tree.merger]
+    if spec.deepstack_visual_indexes:
+        parts += list(getattr(tree, spec.names.deepstack_mergers))
+    return [unwrapped(part) for part in parts]
+
+
+def install_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
+    """Give each module :func:`device_forward` calls a :class:`ModuleForward` (once; again is harmless)."""
+    for module in _called_parts(tree, spec):
+        slot = forward_slot(module)
+        current = vars(module).get(slot)
+        if not isinstance(current, ModuleForward):
+            setattr(module, slot, ModuleForward(module, current))
+
+
+def remove_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
+    """Undo :func:`install_module_forwards`: each module gets back the forward it had."""
+    for module in _called_parts(tree, spec):
+        for slot in ("_old_forward", "forward"):
+            current = vars(module).get(slot)
+            if isinstance(current, ModuleForward):
+                if current.replaced is None and slot == "forward":
+                    del module.forward
+                else:
+                    setattr(module, slot, current.original_forward())
 
 
 class TowerRunner:
@@ -362,7 +458,8 @@ class TowerRunner:
             :class:`~qvl.vit.config.Qwen2VisionConfig`).
         names: where ``tree`` keeps its MLP and merger parts.
         num_heads: heads ``tree`` holds (default: all of ``config``'s).
-        all_reduce, linear: as for :func:`device_forward`.
+        all_reduce, linear, module_calls: as for :func:`device_forward` (``module_calls``: a tree whose stacks hook
+            its modules, transformers'; :func:`install_module_forwards` must have run on it).
         prepare_pixels: applied to the pixel values on the device before the patch embedding (vLLM's
             ``input_norm``); None: none.
     """
@@ -376,6 +473,7 @@ class TowerRunner:
         num_heads: int | None = None,
         all_reduce: AllReduce | None = None,
         linear: LinearParts | None = None,
+        module_calls: bool = False,
         prepare_pixels: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         self.tree = tree
@@ -383,6 +481,7 @@ class TowerRunner:
         self.spec = TowerSpec.of(config, names, num_heads)
         self.all_reduce = all_reduce
         self.linear = linear
+        self.module_calls = module_calls
         self.prepare_pixels = prepare_pixels
         self._forward = _Forward(self.spec, all_reduce, linear)
         self._compiled = None
@@ -430,15 +529,14 @@ class TowerRunner:
         meta: VisionMetadata,
         *,
         hidden_states_out: list[torch.Tensor] | None = None,
-        checkpoint_blocks: bool = False,
     ) -> TowerOutputs:
-        """The device part of a batch whose metadata is built (``hidden_states_out``, ``checkpoint_blocks``: see
-        :func:`device_forward`). After :meth:`compile`, calls without either take the compiled code, which returns
-        no ``last_hidden_state`` (None); every other call runs eagerly and returns it."""
+        """The device part of a batch whose metadata is built (``hidden_states_out``: see :func:`device_forward`).
+        After :meth:`compile`, calls without it take the compiled code, which returns no ``last_hidden_state``
+        (None); every other call runs eagerly and returns it."""
         if meta.num_tokens == 0:
             return self.empty_outputs()
         pixels, inputs = self._pixels(pixel_values), DeviceInputs.of(meta)
-        if self._compiled is not None and hidden_states_out is None and not checkpoint_blocks:
+        if self._compiled is not None and hidden_states_out is None:
             return TowerOutputs(None, *call_compiled(self._compiled, self.tree, pixels, inputs))
         return device_forward(
             self.tree,
@@ -448,7 +546,7 @@ class TowerRunner:
             all_reduce=self.all_reduce,
             linear=self.linear,
             hidden_states_out=hidden_states_out,
-            checkpoint_blocks=checkpoint_blocks,
+            module_calls=self.module_calls,
         )
 
     def encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:

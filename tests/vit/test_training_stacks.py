@@ -1,0 +1,186 @@
+"""A patched tower under the stacks people train with: transformers' gradient checkpointing with whatever
+function and kwargs it installed, torch's checkpoint_wrapper, and FSDP2 (two gloo ranks on CPU), each against the
+unpatched transformers model's gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf_patch import GRID, TINY_VISION, float64_run
+from test_qwen2_towers import vision_model as qwen2_vision_model
+
+from qvl.kernels import force_backend
+from qvl.vit import patch_model, runner, unpatch_model
+from tolerance import assert_error_within
+from towers import hf_vision_model, pixel_values_for, run_two_ranks
+
+QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def _loss(output) -> torch.Tensor:
+    return output.pooler_output.square().sum() + sum(f.sum() for f in getattr(output, "deepstack_features", []))
+
+
+def gradients(model, pixels, grid) -> dict[str, torch.Tensor]:
+    """Gradients of every parameter and of the pixel values for one loss over the tower's outputs."""
+    pixels = pixels.to(model.dtype).requires_grad_(True)
+    model.zero_grad()
+    with torch.enable_grad():
+        _loss(model(pixels, grid_thw=torch.tensor(grid))).backward()
+    return {"pixels": pixels.grad, **{name: p.grad for name, p in model.named_parameters()}}
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """The blocks qvl's block step ran on, one entry per run (a recomputation in backward adds one)."""
+    runs = []
+    block_step = runner.block_step
+
+    def counted(block, *args, **kwargs):
+        runs.append(block)
+        return block_step(block, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "block_step", counted)
+    return runs
+
+
+def towers():
+    """(name, transformers vision model, its float64 rotary patch, pixel values) for one model of each tower kind."""
+    hf = hf_vision_model(seed=60, **TINY_VISION)
+    yield "qwen3_vl", hf, (), pixel_values_for(GRID, seed=61)
+    for name in ("qwen2_5_vl", "qwen2_vl"):
+        hf, rotary = qwen2_vision_model(name, seed=62)
+        yield name, hf, rotary, pixel_values_for(GRID, seed=63, channels=QWEN2_PATCH_DIM)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_transformers_checkpointing_runs_the_blocks_own_function(use_reentrant, block_runs):
+    """gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) installs a checkpoint function on each block;
+    the patched tower calls that function (transformers' own test mocks it) with the user's kwargs, and each block
+    is recomputed in backward, with transformers' gradients."""
+    for name, hf, rotary, pixels in towers():
+        truth = float64_run(hf, lambda model, p=pixels: gradients(model, p, GRID), *rotary)
+        hf.train()
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        expected = gradients(hf, pixels, GRID)
+        patch_model(hf)
+        calls = []
+        for block in hf.blocks:
+            installed = block._gradient_checkpointing_func
+
+            def counting(function, *args, installed=installed, block=block):
+                calls.append(block)
+                return installed(function, *args)
+
+            block._gradient_checkpointing_func = counting
+        del block_runs[:]
+        got = gradients(hf, pixels, GRID)
+        assert calls == list(hf.blocks), name
+        blocks = list(hf.blocks)
+        assert block_runs[: len(blocks)] == blocks, name
+        assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, blocks)), f"{name}: recomputed once each"
+        for key in got:
+            assert_error_within(got[key], truth[key], expected[key], what=f"{name} checkpointed: {key}")
+
+
+def test_checkpoint_wrapper_recomputes_wrapped_blocks(block_runs):
+    """torch's checkpoint_wrapper around the blocks, applied before or after patching: the wrapper's call runs
+    qvl's block (not read past), so the blocks are recomputed in backward; gradients as transformers'."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    hf = hf_vision_model(seed=64, **TINY_VISION).train()
+    pixels = pixel_values_for(GRID, seed=65)
+    truth = float64_run(hf, lambda model: gradients(model, pixels, GRID))
+    expected = gradients(hf, pixels, GRID)
+    for order in ("wrap, then patch", "patch, then wrap"):
+        model = copy.deepcopy(hf)
+        if order == "patch, then wrap":
+            patch_model(model)
+        model.blocks = torch.nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
+        if order == "wrap, then patch":
+            patch_model(model)
+        del block_runs[:]
+        got = gradients(model, pixels, GRID)
+        assert len(block_runs) == 2 * len(model.blocks), order
+        for key in got:
+            name = key.replace("._checkpoint_wrapped_module", "")
+            assert_error_within(got[key], truth[name], expected[name], what=f"{order}: {key}")
+        unpatch_model(model)
+        assert all("forward" not in vars(block._checkpoint_wrapped_module) for block in model.blocks)
+
+
+FSDP_CASES = {
+    "reshard": dict(reshard_after_forward=True, checkpointing=False),
+    "keep-unsharded": dict(reshard_after_forward=False, checkpointing=False),
+    "reshard+checkpointing": dict(reshard_after_forward=True, checkpointing=True),
+}
+
+
+def _fsdp_rank(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from qvl.vit.parallel import init_from_env
+
+    init_from_env("cpu")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    hf = hf_vision_model(seed=66, **TINY_VISION).train()
+    pixels = pixel_values_for(GRID, seed=67)
+    expected = gradients(hf, pixels, GRID)  # every rank passes the whole batch: FSDP's mean is one rank's
+    truth = float64_run(hf, lambda model: gradients(model, pixels, GRID))
+    results = {"expected": expected, "truth": truth}
+    unsharded_blocks = []
+    block_step = runner.block_step
+
+    def observed(block, *args, **kwargs):
+        blocks = model.blocks
+        unsharded_blocks.append(sum(not isinstance(b.norm1.weight, DTensor) for b in blocks))
+        return block_step(block, *args, **kwargs)
+
+    runner.block_step = observed
+    for case, options in FSDP_CASES.items():
+        model = copy.deepcopy(hf)
+        if options["checkpointing"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        patch_model(model)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=options["reshard_after_forward"])
+        fully_shard(model, mesh=mesh, reshard_after_forward=options["reshard_after_forward"])
+        del unsharded_blocks[:]
+        with force_backend("torch"):
+            got = gradients(model, pixels, GRID)
+        got = {key: g.full_tensor() if isinstance(g, DTensor) else g for key, g in got.items()}
+        results[case] = (got, list(unsharded_blocks))
+    torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_per_block_sharding_trains_the_patched_tower(tmp_path):
+    """fully_shard on each block and the tower (two gloo ranks): the blocks' parameters are unsharded by FSDP2's
+    own hooks when qvl calls them, one block at a time where FSDP reshards after forward, and the vision gradients
+    are the unpatched, unsharded model's within the suite's rounding bound (and within 1e-6 of its gradient's
+    norm)."""
+    run_two_ranks(__file__, tmp_path, timeout=600)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        expected, truth = results.pop("expected"), results.pop("truth")
+        for case, (got, unsharded_blocks) in results.items():
+            assert sorted(got) == sorted(expected), case
+            for key in got:
+                what = f"rank {rank} {case}: {key}"
+                assert_error_within(got[key], truth[key], expected[key], what=what)
+                assert (got[key] - expected[key]).abs().max() <= 1e-6 * expected[key].norm(), what
+            forward_runs = unsharded_blocks[: TINY_VISION["depth"]]
+            if FSDP_CASES[case]["reshard_after_forward"]:
+                assert max(forward_runs) == 1, f"{case}: blocks unsharded at once during the forward: {forward_runs}"
+            else:
+                assert forward_runs == [1, 2], f"{case}: blocks stay unsharded after their forward: {forward_runs}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    _fsdp_rank(sys.argv[1])
