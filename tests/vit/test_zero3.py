@@ -1,0 +1,79 @@
+"""A patched tower trained under DeepSpeed ZeRO-3 (two gloo ranks on CPU, ``DS_ACCELERATOR=cpu``): parameters
+partitioned and gathered per module call, gradients equal to the unpatched, unsharded model's."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from test_hf_patch import GRID, TINY_VISION, float64_run
+from test_training_stacks import gradients
+
+from qvl.kernels import force_backend
+from qvl.vit import patch_model
+from tolerance import assert_error_within
+from towers import hf_vision_model, pixel_values_for, run_two_ranks
+
+# Only the ranks import DeepSpeed (it probes the machine's accelerator on import).
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("DeepSpeed is not installed (the test extra has it)", allow_module_level=True)
+
+# Parameters above this many elements are partitioned: every linear, the patch embedding and the position table of
+# the test tower, while its norms (at most 256 values) stay resident, as a real tower's norms stay under ZeRO-3's
+# default threshold of 1e5.
+PERSISTENCE_THRESHOLD = 300
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD},
+}
+
+
+def _zero3_rank(out_dir: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    hf = hf_vision_model(seed=70, **TINY_VISION).train()
+    pixels = pixel_values_for(GRID, seed=71)
+    expected = gradients(hf, pixels, GRID)
+    truth = float64_run(hf, lambda model: gradients(model, pixels, GRID))
+    model = patch_model(copy.deepcopy(hf))
+    config = {**ZERO3, "train_batch_size": dist.get_world_size()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    partitioned = sorted(name for name, p in model.named_parameters() if p.numel() == 0)
+    with force_backend("torch"):
+        output = engine(pixels, grid_thw=torch.tensor(GRID))
+        loss = output.pooler_output.square().sum() + sum(f.sum() for f in output.deepstack_features)
+        engine.backward(loss)
+    got = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
+    torch.save(
+        {"got": got, "expected": expected, "truth": truth, "partitioned": partitioned},
+        f"{out_dir}/rank{dist.get_rank()}.pt",
+    )
+    dist.destroy_process_group()
+
+
+def test_zero3_trains_the_patched_tower(tmp_path):
+    """ZeRO-3 holds the tower's large parameters as empty placeholders between module calls; qvl's patched tower
+    calls the modules, so ZeRO gathers each for its call, and the vision gradients are the unpatched, unsharded
+    model's within the suite's rounding bound (every parameter's; the pixel values' gradient is not compared)."""
+    run_two_ranks(__file__, tmp_path, timeout=600, DS_ACCELERATOR="cpu")
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        got, expected, truth = results["got"], results["expected"], results["truth"]
+        assert "pos_embed.weight" in results["partitioned"] and "blocks.0.attn.qkv.weight" in results["partitioned"]
+        assert sorted(got) == sorted(expected.keys() - {"pixels"})
+        for key in got:
+            assert_error_within(got[key], truth[key], expected[key], what=f"rank {rank} ZeRO-3: {key}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _zero3_rank(sys.argv[1])
