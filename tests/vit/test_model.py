@@ -253,3 +253,21 @@ def test_cuda_forward_makes_no_host_sync():
             tower.encode(pixels, meta)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_attention_gets_the_longest_frame_as_tile_hint(monkeypatch):
+    """The Qwen3-VL tower passes its host metadata's longest segment to vision_attn as the max_seqlen tile hint
+    (no device read), so small images get short-segment tiles as Qwen2.5-VL's windows do."""
+    tower = VisionTransformer(config_from_hf(vision_config(depth=1, deepstack_visual_indexes=[0]))[1])
+    hints = []
+    vision_attn = torch.ops.qvl.vision_attn
+
+    def spy(*args, **kwargs):
+        hints.append(kwargs["max_seqlen"])
+        return vision_attn(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.qvl, "vision_attn", spy)
+    grid = [[1, 4, 6], [2, 2, 2]]
+    with torch.no_grad(), force_backend("torch"):
+        tower.init_random_weights()(pixel_values_for(grid), grid)
+    assert hints == [24]

@@ -36,41 +36,53 @@ def _zero3_rank(out_dir: str) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     deepspeed.init_distributed(dist_backend="gloo")
     hf = hf_vision_model(seed=70, **TINY_VISION).train()
     pixels = pixel_values_for(GRID, seed=71)
-    expected = gradients(hf, pixels, GRID)
-    truth = float64_run(hf, lambda model: gradients(model, pixels, GRID))
-    model = patch_model(copy.deepcopy(hf))
+    results = {
+        "expected": gradients(hf, pixels, GRID),
+        "truth": float64_run(hf, lambda model: gradients(model, pixels, GRID)),
+    }
     config = {**ZERO3, "train_batch_size": dist.get_world_size()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    partitioned = sorted(name for name, p in model.named_parameters() if p.numel() == 0)
-    with force_backend("torch"):
-        output = engine(pixels, grid_thw=torch.tensor(GRID))
-        loss = output.pooler_output.square().sum() + sum(f.sum() for f in output.deepstack_features)
-        engine.backward(loss)
-    got = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
-    torch.save(
-        {"got": got, "expected": expected, "truth": truth, "partitioned": partitioned},
-        f"{out_dir}/rank{dist.get_rank()}.pt",
-    )
+    for case in ("deepspeed.initialize", "zero.Init"):
+        if case == "zero.Init":  # partitioned as it is built, then given hf's weights
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = Qwen3VLVisionModel(hf.config)
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0), torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    parameter.copy_(hf.get_parameter(name))
+            model.train()
+        else:
+            model = copy.deepcopy(hf)
+        patch_model(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        partitioned = sorted(name for name, p in model.named_parameters() if p.numel() == 0)
+        with force_backend("torch"):
+            output = engine(pixels, grid_thw=torch.tensor(GRID))
+            loss = output.pooler_output.square().sum() + sum(f.sum() for f in output.deepstack_features)
+            engine.backward(loss)
+        results[case] = ({name: safe_get_full_grad(p) for name, p in model.named_parameters()}, partitioned)
+    torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
 
 def test_zero3_trains_the_patched_tower(tmp_path):
-    """ZeRO-3 holds the tower's large parameters as empty placeholders between module calls; qvl's patched tower
-    calls the modules, so ZeRO gathers each for its call, and the vision gradients are the unpatched, unsharded
-    model's within the suite's rounding bound (every parameter's; the pixel values' gradient is not compared)."""
+    """ZeRO-3 (after deepspeed.initialize, and with the tower built under zero.Init) holds the tower's large
+    parameters as empty placeholders between module calls; qvl's patched tower calls the modules, so ZeRO gathers
+    each for its call, and the vision gradients are the unpatched, unsharded model's within the suite's rounding
+    bound (every parameter's; the pixel values' gradient is not compared)."""
     run_two_ranks(__file__, tmp_path, timeout=600, DS_ACCELERATOR="cpu")
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        got, expected, truth = results["got"], results["expected"], results["truth"]
-        assert "pos_embed.weight" in results["partitioned"] and "blocks.0.attn.qkv.weight" in results["partitioned"]
-        assert sorted(got) == sorted(expected.keys() - {"pixels"})
-        for key in got:
-            assert_error_within(got[key], truth[key], expected[key], what=f"rank {rank} ZeRO-3: {key}")
+        expected, truth = results.pop("expected"), results.pop("truth")
+        for case, (got, partitioned) in results.items():
+            assert "pos_embed.weight" in partitioned and "blocks.0.attn.qkv.weight" in partitioned, case
+            assert sorted(got) == sorted(expected.keys() - {"pixels"}), case
+            for key in got:
+                assert_error_within(got[key], truth[key], expected[key], what=f"rank {rank} {case}: {key}")
 
 
 if __name__ == "__main__":

@@ -239,11 +239,17 @@ def make_qwen2_5_vl(path, seed: int = 3) -> str:
         **_token_ids(tokenizer),
     )
     _save_model(path, Qwen2_5_VLForConditionalGeneration, config, seed)
-    # One merged token is 28 x 28 px; an image gets 4 to 80 tokens, a video frame pair 4 to 16.
+    _qwen2_processor_configs(path, "Qwen2_5_VLProcessor")
+    return path
+
+
+def _qwen2_processor_configs(path: str, processor: str) -> None:
+    """The Qwen2 family's processor configs (patch 14, OpenAI CLIP's mean and std, Qwen2-VL's video processor).
+    One merged token is 28 x 28 px; an image gets 4 to 80 tokens, a video frame pair 4 to 16."""
     video = dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, min_frames=4, max_frames=16)
     _processor_configs(
         path,
-        "Qwen2_5_VLProcessor",
+        processor,
         "Qwen2VLVideoProcessor",
         patch=14,
         mean=OPENAI_CLIP_MEAN,
@@ -251,7 +257,6 @@ def make_qwen2_5_vl(path, seed: int = 3) -> str:
         image_pixels=(4 * 28 * 28, 80 * 28 * 28),
         video={**video, "do_sample_frames": False},
     )
-    return path
 
 
 def make_qwen2_vl(path, seed: int = 3) -> str:
@@ -283,15 +288,5 @@ def make_qwen2_vl(path, seed: int = 3) -> str:
         **_token_ids(tokenizer),
     )
     _save_model(path, Qwen2VLForConditionalGeneration, config, seed)
-    video = dict(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, min_frames=4, max_frames=16)
-    _processor_configs(
-        path,
-        "Qwen2VLProcessor",
-        "Qwen2VLVideoProcessor",
-        patch=14,
-        mean=OPENAI_CLIP_MEAN,
-        std=OPENAI_CLIP_STD,
-        image_pixels=(4 * 28 * 28, 80 * 28 * 28),
-        video={**video, "do_sample_frames": False},
-    )
+    _qwen2_processor_configs(path, "Qwen2VLProcessor")
     return path
