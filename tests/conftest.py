@@ -118,3 +118,19 @@ def tower_calls(monkeypatch):
     device_forward = runner.device_forward
     monkeypatch.setattr(runner, "device_forward", counted)
     return calls
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """The blocks qvl's block step ran on, one entry per run (a recomputation in backward adds one)."""
+    from qvl.vit import runner
+
+    runs = []
+    block_step = runner.block_step
+
+    def counted(block, *args, **kwargs):
+        runs.append(block)
+        return block_step(block, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "block_step", counted)
+    return runs

@@ -321,7 +321,7 @@ class _Preparer:
     """Images and videos -> ``(pixel_values rows, [t, h, w])`` as a family's processors make them."""
 
     def __init__(self, config, min_pixels: int, max_pixels: int, processing: Processing = QWEN3_VL_PROCESSING):
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers import Qwen2VLImageProcessorPil
 
         self.config = config
         self.processor = Qwen2VLImageProcessorPil(

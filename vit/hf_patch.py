@@ -232,8 +232,8 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     ``checkpoint_wrapper``, and transformers' gradient checkpointing through each block's own
     ``_gradient_checkpointing_func`` (the function and kwargs ``gradient_checkpointing_enable`` installed). Inside
     a block qvl reads that block's parameters only. Linear layers inside a block that carry hooks (ZeRO-3's,
-    PEFT's) are called too; norms are read, so under ZeRO-3 they rely on its persistence threshold (every vision
-    norm is far below the default).
+    PEFT's) are called too; norms are read, and one that a stack still holds sharded or released raises a
+    RuntimeError naming it (FSDP2 sharding a norm on its own, apart from its block).
     """
     visual = _vision_module(model, "patch_model")
     # The config check rejects a tower qvl cannot run, before anything changes.

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 
@@ -188,11 +188,20 @@ def _part(module: nn.Module, path: str) -> nn.Module:
 
 
 def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """``(weight, bias, eps)`` of a LayerNorm; ``(weight, None, eps)`` of an RMSNorm."""
+    """``(weight, bias, eps)`` of a LayerNorm; ``(weight, None, eps)`` of an RMSNorm. Norms are read, not called:
+    a weight that a training stack still holds sharded or released raises here, naming the stack's setting."""
+    weight = norm.weight
+    if isinstance(weight, DTensor) or weight.numel() == 0:
+        state = "sharded (a DTensor)" if isinstance(weight, DTensor) else "released (an empty placeholder)"
+        raise RuntimeError(
+            f"qvl: the weight of a {type(norm).__name__} in the patched tower is {state} when its block runs: the"
+            " training stack must gather it for the call of the block (or a module above it) that holds it, as FSDP2's"
+            " fully_shard of the block and DeepSpeed ZeRO-3 do; a norm sharded on its own is not; or unpatch_model"
+        )
     if isinstance(norm, nn.LayerNorm):
-        return norm.weight, norm.bias, norm.eps
+        return weight, norm.bias, norm.eps
     eps = getattr(norm, "variance_epsilon", None)
-    return norm.weight, None, norm.eps if eps is None else eps
+    return weight, None, norm.eps if eps is None else eps
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,52 @@ def test_gradient_checkpointing_and_input_require_grads():
     assert_gradients_within(patched, reference, reference64, "input require grads")
 
 
+def test_hf_trainer_steps_with_checkpointing(tmp_path, block_runs):
+    """Three HF Trainer steps (gradient_checkpointing=True, SGD at a constant rate) on a patched tiny Qwen3-VL: each
+    step's loss is the unpatched model's within the rounding bound of a float64 run, and the tower's blocks are
+    recomputed in every backward."""
+    from transformers import Trainer, TrainingArguments
+
+    model, inputs, rotary = qwen3_vl(seed=47)
+    steps = 3
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = loss_of(model, inputs)
+            self.losses.append(loss.detach())
+            return loss
+
+    def train(model, name: str, float64: bool = False) -> torch.Tensor:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name),
+            max_steps=steps,
+            per_device_train_batch_size=1,
+            learning_rate=0.05,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = Recording(model=model, args=args, train_dataset=[inputs] * steps, data_collator=lambda rows: rows[0])
+        trainer.losses = []
+        with rotary_in_float64(*rotary) if float64 else contextlib.nullcontext():
+            trainer.train()
+        return torch.stack(trainer.losses)
+
+    expected = train(copy.deepcopy(model), "unpatched")
+    truth = train(float64_copy(model), "float64", float64=True)
+    del block_runs[:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnfusedFallbackWarning)
+        got = train(patch_model(copy.deepcopy(model)), "patched")
+    assert len(block_runs) == 2 * len(model.model.visual.blocks) * steps
+    assert_error_within(got, truth, expected, what="Trainer losses")
+
+
 def test_hidden_states_keep_their_gradients():
     """transformers' test_retain_grad_hidden_states_attentions (hidden states only: the fused attention has no
     attention weights): the recorded hidden states carry transformers' gradients."""

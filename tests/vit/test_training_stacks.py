@@ -32,20 +32,6 @@ def gradients(model, pixels, grid) -> dict[str, torch.Tensor]:
     return {"pixels": pixels.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
-@pytest.fixture
-def block_runs(monkeypatch):
-    """The blocks qvl's block step ran on, one entry per run (a recomputation in backward adds one)."""
-    runs = []
-    block_step = runner.block_step
-
-    def counted(block, *args, **kwargs):
-        runs.append(block)
-        return block_step(block, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "block_step", counted)
-    return runs
-
-
 def towers():
     """(name, transformers vision model, its float64 rotary patch, pixel values) for one model of each tower kind."""
     hf = hf_vision_model(seed=60, **TINY_VISION)
@@ -154,6 +140,18 @@ def _fsdp_rank(out_dir: str) -> None:
             got = gradients(model, pixels, GRID)
         got = {key: g.full_tensor() if isinstance(g, DTensor) else g for key, g in got.items()}
         results[case] = (got, list(unsharded_blocks))
+    # A norm sharded on its own stays sharded through its block's call, where qvl reads it: refused by name.
+    model = patch_model(copy.deepcopy(hf))
+    for block in model.blocks:
+        fully_shard(block.norm1, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        with force_backend("torch"):
+            model(pixels, grid_thw=torch.tensor(GRID))
+        results["refusal"] = None
+    except RuntimeError as error:
+        results["refusal"] = str(error)
     torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
@@ -167,6 +165,8 @@ def test_fsdp2_per_block_sharding_trains_the_patched_tower(tmp_path):
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         expected, truth = results.pop("expected"), results.pop("truth")
+        refusal = results.pop("refusal")
+        assert refusal is not None and "LayerNorm in the patched tower is sharded (a DTensor)" in refusal, refusal
         for case, (got, unsharded_blocks) in results.items():
             assert sorted(got) == sorted(expected), case
             for key in got:
