@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from qvl.vit import VisionConfig, VisionTransformer
+from qvl.vit.families import config_from_hf
 
 from . import harness
 from .bench_attention_backward import TRAINING_WORK
@@ -204,7 +205,7 @@ def hf_flash_attention_2(device: Device, reference: nn.Module) -> Impl:
     harness.require_cuda(device)
     if importlib.util.find_spec("flash_attn") is None:
         raise harness.Unavailable("flash-attn is not installed")
-    config = VisionConfig.from_hf(reference.config)
+    config = config_from_hf(reference.config)[1]
     model = hf_tower(config, device, reference.dtype, "flash_attention_2")
     model.load_state_dict(reference.state_dict())
     return hf_impl(model)
