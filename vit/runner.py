@@ -431,7 +431,9 @@ def forward_slot(module: nn.Module) -> str:
 
 def _called_parts(tree: nn.Module, spec: TowerSpec) -> list[nn.Module]:
     """The modules :func:`device_forward` calls with ``module_calls=True``, inside any wrappers."""
-    parts = [tree.patch_embed, *(tree.pos_embed for _ in range(spec.position_table)), *tree.blocks, tree.merger]
+    parts = [tree.patch_embed, *tree.blocks, tree.merger]
+    if spec.position_table:
+        parts.append(tree.pos_embed)
     if spec.deepstack_visual_indexes:
         parts += list(getattr(tree, spec.names.deepstack_mergers))
     return [unwrapped(part) for part in parts]
@@ -492,7 +494,7 @@ class TowerRunner:
         self.linear = linear
         self.module_calls = module_calls
         self.prepare_pixels = prepare_pixels
-        self._forward = _Forward(self.spec, all_reduce, linear)
+        self._forward = _Forward(self.spec, all_reduce, linear, module_calls)
         self._compiled = None
 
     @property
@@ -510,8 +512,8 @@ class TowerRunner:
 
     def compile(self, **compile_kwargs) -> None:
         """Compile the device part with the token dim dynamic (``fullgraph=True, dynamic=True`` unless
-        ``compile_kwargs`` says otherwise); later calls of :meth:`run_device` without hidden states or
-        checkpointing take the compiled code."""
+        ``compile_kwargs`` says otherwise); later calls of :meth:`run_device`, and of :meth:`encode` without hidden
+        states, take the compiled code."""
         options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
         self._compiled = torch.compile(self._forward, **options)
 
@@ -570,14 +572,23 @@ class _Forward(nn.Module):
     ``dynamic=True`` (and a symbolic head count hides that q, k and v are views of one buffer, which costs copies).
     Holds no parameters: the tree is an argument."""
 
-    def __init__(self, spec: TowerSpec, all_reduce: AllReduce | None, linear: LinearParts | None):
+    def __init__(self, spec: TowerSpec, all_reduce: AllReduce | None, linear: LinearParts | None, module_calls: bool):
         super().__init__()
         self.spec = spec
         self.all_reduce = all_reduce
         self.linear = linear
+        self.module_calls = module_calls
 
     def forward(self, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs):
-        outputs = device_forward(tree, self.spec, pixel_values, inputs, all_reduce=self.all_reduce, linear=self.linear)
+        outputs = device_forward(
+            tree,
+            self.spec,
+            pixel_values,
+            inputs,
+            all_reduce=self.all_reduce,
+            linear=self.linear,
+            module_calls=self.module_calls,
+        )
         return outputs.merged, outputs.deepstack
 
 
