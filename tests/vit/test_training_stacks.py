@@ -8,8 +8,9 @@ import copy
 
 import pytest
 import torch
-from test_hf_patch import GRID, TINY_VISION, float64_run
+from test_hf_patch import GRID, TINY_VISION, float64_run, image_inputs, tiny_full_model, tiny_vl_config
 from test_qwen2_towers import vision_model as qwen2_vision_model
+from test_training import loss_of
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
@@ -180,7 +181,59 @@ def test_fsdp2_per_block_sharding_trains_the_patched_tower(tmp_path):
                 assert forward_runs == [1, 2], f"{case}: blocks stay unsharded after their forward: {forward_runs}"
 
 
+def _data_mode_rank(out_dir: str) -> None:
+    """verl's layout: the text model's decoder layers FSDP2-sharded, the vision tower split by qvl's data mode."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from qvl.vit.parallel import init_from_env
+
+    init_from_env("cpu")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    hf = tiny_full_model(seed=68, config=tiny_vl_config()).train()
+    inputs = image_inputs(GRID, seed=69)
+    expected = full_model_gradients(hf, inputs)
+    truth = float64_run(hf, lambda model: full_model_gradients(model, inputs))
+    model = patch_model(copy.deepcopy(hf), parallel="data")
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, mesh=mesh)
+    # Each rank's vision gradients cover its share of the images: the tower's unit sums them over the ranks
+    # instead of FSDP's default mean, which serves the text model (every rank holds the same tokens).
+    tower = fully_shard(model.model.visual, mesh=mesh)
+    tower.set_gradient_divide_factor(1.0)
+    tower.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    fully_shard(model, mesh=mesh)
+    with force_backend("torch"):
+        got = full_model_gradients(model, inputs)
+    got = {key: g.full_tensor() if isinstance(g, DTensor) else g for key, g in got.items()}
+    torch.save({"got": got, "expected": expected, "truth": truth}, f"{out_dir}/rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+def full_model_gradients(model, inputs) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of a full model's next-token loss."""
+    model.zero_grad()
+    with torch.enable_grad():
+        loss_of(model, inputs).backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_data_mode_vision_beside_fsdp2_text(tmp_path):
+    """patch_model(parallel="data") on a full model whose decoder layers are FSDP2-sharded (two gloo ranks, the
+    same batch on each): every gradient, vision and text, equals one process's within the rounding bound, with the
+    tower's FSDP unit summing its ranks' shares (set_gradient_divide_factor(1.0))."""
+    run_two_ranks(__file__, tmp_path, timeout=600, QVL_TEST_RANKS="data")
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        got, expected, truth = results["got"], results["expected"], results["truth"]
+        assert sorted(got) == sorted(expected) and any(key.startswith("model.visual.") for key in got)
+        for key in got:
+            assert_error_within(got[key], truth[key], expected[key], what=f"rank {rank} data mode + FSDP2: {key}")
+
+
 if __name__ == "__main__":
+    import os
     import sys
 
-    _fsdp_rank(sys.argv[1])
+    {"fsdp": _fsdp_rank, "data": _data_mode_rank}[os.environ.get("QVL_TEST_RANKS", "fsdp")](sys.argv[1])
