@@ -16,12 +16,25 @@ and distributing them, is :mod:`qvl.vit`'s business.
 import sys as _sys
 
 if __name__ != "qvl.kernels":
-    # Imported as a top-level "kernels" because the repository root is on sys.path (transformers probes
-    # for Hugging Face's "kernels" package by importing it). A second copy would register the ops again
-    # with its own backend state, so this name gets the one qvl.kernels instead.
-    import qvl.kernels as _qvl_kernels
+    # Imported as a top-level "kernels" because the repository root is on sys.path (``python -m pytest`` from
+    # it). That name belongs to Hugging Face's "kernels" distribution, which transformers (5.25 on) depends on
+    # and imports: this name gets that package where it is installed, else the one qvl.kernels (a second copy
+    # would register the ops again with its own backend state).
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    from pathlib import Path as _Path
 
-    _sys.modules[__name__] = _qvl_kernels
+    _root = _Path(__file__).resolve().parent.parent
+    _elsewhere = [entry for entry in _sys.path if _Path(entry or ".").resolve() != _root]
+    _spec = _machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _spec is None:
+        import qvl.kernels as _qvl_kernels
+
+        _sys.modules[__name__] = _qvl_kernels
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules[__name__] = _module
+        _spec.loader.exec_module(_module)
 else:
     from .attention import MAX_HEAD_DIM, vision_attn, vision_attn_reference
     from .common import backend_for, force_backend, set_value_checks
