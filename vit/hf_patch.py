@@ -23,7 +23,14 @@ from torch import nn
 
 from .families import config_from_hf, family_of, supported_model_types
 from .parallel import make_parallel
-from .runner import TowerRunner, forward_slot, install_module_forwards, remove_module_forwards
+from .runner import (
+    TowerRunner,
+    bound_forward,
+    forward_slot,
+    install_module_forwards,
+    remove_module_forwards,
+    restore_forward,
+)
 from .towers import tower_class_of
 
 __all__ = [
@@ -116,7 +123,7 @@ class _PatchedForward:
 
     def original_forward(self):
         """The forward the patch replaced, bound to the module."""
-        return self.replaced_forward or types.MethodType(type(self.visual).forward, self.visual)
+        return bound_forward(self.visual, self.replaced_forward)
 
     def extra_repr(self) -> str:
         """The module's own ``extra_repr`` and a line saying that the forward is patched (``print(model)``)."""
@@ -271,12 +278,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     slot, patched = _find_patch(visual)
     if patched is None:
         return model
-    if patched.replaced_forward is not None:
-        setattr(visual, slot, patched.replaced_forward)
-    elif slot == "forward":
-        del visual.forward
-    else:  # patched before accelerate hooked the module: the wrapper runs what it would have wrapped
-        visual._old_forward = patched.original_forward()
+    restore_forward(visual, slot, patched.replaced_forward)
     if patched.replaced_extra_repr is None:
         del visual.extra_repr
     else:

@@ -64,15 +64,18 @@ __all__ = [
     "TowerRunner",
     "TowerSpec",
     "block_step",
+    "bound_forward",
     "build_tower_metadata",
     "call_compiled",
     "device_forward",
     "forward_slot",
     "install_module_forwards",
     "merger_step",
+    "part",
     "patch_embed_step",
     "position_step",
     "remove_module_forwards",
+    "restore_forward",
     "unwrapped",
 ]
 
@@ -181,7 +184,9 @@ def build_tower_metadata(grid_thw, config: TowerConfig, device=None) -> VisionMe
     return dataclasses.replace(meta, positions=positions.contiguous(), window=window).to(device)
 
 
-def _part(module: nn.Module, path: str) -> nn.Module:
+def part(module: nn.Module, path: str) -> nn.Module:
+    """The submodule (or attribute) at a dotted ``path`` of :class:`~qvl.vit.families.ModuleNames`' form; a digit
+    indexes a sequence."""
     for name in path.split("."):
         module = module[int(name)] if name.isdigit() else getattr(module, name)
     return module
@@ -238,12 +243,12 @@ def position_step(
 
 def _mlp(mlp: nn.Module, h: torch.Tensor, spec: TowerSpec, all_reduce, linear: LinearParts) -> torch.Tensor:
     names = spec.names
-    down = linear(_part(mlp, names.mlp_out))
+    down = linear(part(mlp, names.mlp_out))
     if spec.mlp_activation != "swiglu":
-        return vision_mlp(h, *linear(_part(mlp, names.mlp_in[0])), *down, all_reduce, spec.mlp_activation)
+        return vision_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce, spec.mlp_activation)
     if len(names.mlp_in) == 1:  # gate and up as one stacked linear (vLLM's gate_up_proj)
-        return stacked_swiglu_mlp(h, *linear(_part(mlp, names.mlp_in[0])), *down, all_reduce)
-    gate, up = (linear(_part(mlp, name)) for name in names.mlp_in)
+        return stacked_swiglu_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce)
+    gate, up = (linear(part(mlp, name)) for name in names.mlp_in)
     return swiglu_mlp(h, *gate, *up, *down, all_reduce)
 
 
@@ -293,13 +298,13 @@ def merger_step(
     """A patch merger on ``x (T, C)``: norm per token then merge (the main merger) or merge then norm
     (``postshuffle_norm``: Qwen3-VL's deepstack mergers), fc1, exact GELU, fc2. Returns ``(T / m^2, out)``."""
     names = spec.names
-    weight, bias, eps = _norm_parts(_part(merger, names.merger_norm))
+    weight, bias, eps = _norm_parts(part(merger, names.merger_norm))
     return patch_merger(
         x,
         weight,
         bias,
-        *linear(_part(merger, names.merger_fc1)),
-        *linear(_part(merger, names.merger_fc2)),
+        *linear(part(merger, names.merger_fc1)),
+        *linear(part(merger, names.merger_fc2)),
         spatial_merge_size=spec.spatial_merge_size,
         postshuffle_norm=postshuffle_norm,
         eps=eps,
@@ -408,7 +413,7 @@ class ModuleForward:
 
     def original_forward(self) -> Callable:
         """The forward this one replaced, bound to the module."""
-        return self.replaced or types.MethodType(type(self.module).forward, self.module)
+        return bound_forward(self.module, self.replaced)
 
     def __call__(self, *args, qvl: tuple[Callable, dict] | None = None, **kwargs):
         if qvl is None:
@@ -429,6 +434,22 @@ def forward_slot(module: nn.Module) -> str:
     return "_old_forward" if hooked else "forward"
 
 
+def bound_forward(module: nn.Module, replaced: Callable | None) -> Callable:
+    """The forward a wrapper installed on ``module`` replaced: the instance attribute it held, or the class's."""
+    return replaced or types.MethodType(type(module).forward, module)
+
+
+def restore_forward(module: nn.Module, slot: str, replaced: Callable | None) -> None:
+    """Take a wrapper out of ``module``'s forward ``slot`` (:func:`forward_slot`), putting back what it replaced.
+    Where it replaced no instance attribute: in ``forward`` the attribute goes and the class's forward shows
+    again; in ``_old_forward`` (accelerate hooked the module after the wrapper went in) accelerate's hook keeps
+    calling that slot, so the class's forward, bound, goes there."""
+    if replaced is None and slot == "forward":
+        del module.forward
+    else:
+        setattr(module, slot, bound_forward(module, replaced))
+
+
 def _called_parts(tree: nn.Module, spec: TowerSpec) -> list[nn.Module]:
     """The modules :func:`device_forward` calls with ``module_calls=True``, inside any wrappers."""
     parts = [tree.patch_embed, *tree.blocks, tree.merger]
@@ -436,7 +457,7 @@ def _called_parts(tree: nn.Module, spec: TowerSpec) -> list[nn.Module]:
         parts.append(tree.pos_embed)
     if spec.deepstack_visual_indexes:
         parts += list(getattr(tree, spec.names.deepstack_mergers))
-    return [unwrapped(part) for part in parts]
+    return [unwrapped(module) for module in parts]
 
 
 def install_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
@@ -454,10 +475,7 @@ def remove_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
         for slot in ("_old_forward", "forward"):
             current = vars(module).get(slot)
             if isinstance(current, ModuleForward):
-                if current.replaced is None and slot == "forward":
-                    del module.forward
-                else:
-                    setattr(module, slot, current.original_forward())
+                restore_forward(module, slot, current.replaced)
 
 
 class TowerRunner:

@@ -38,7 +38,7 @@ from .families import Family, config_from_hf
 from .families import vllm_architectures as family_architectures
 from .layers import Product
 from .parallel import DataParallel, SingleProcess
-from .runner import TowerRunner
+from .runner import TowerRunner, part
 from .vllm_routes import count, record_tower
 
 __all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "install", "tower_mismatch"]
@@ -87,12 +87,6 @@ def __getattr__(name: str) -> type[nn.Module]:
     return model_class
 
 
-def _get(module: nn.Module, path: str):
-    for part in path.split("."):
-        module = module[int(part)] if part.isdigit() else getattr(module, part)
-    return module
-
-
 def tower_mismatch(visual: nn.Module | None, vllm_config, family: Family, split: str | None = None) -> str | None:
     """Why qvl's runner cannot run vLLM's tower ``visual`` of a ``family`` model built with ``vllm_config`` (None
     when it can): checked once, when the model is built, so no forward fails halfway. ``split``: the encoder's
@@ -117,13 +111,13 @@ def tower_mismatch(visual: nn.Module | None, vllm_config, family: Family, split:
         checks += [(merger, merger_parts) for merger in mergers] + [(block, block_parts) for block in visual.blocks]
         for module, paths in checks:
             for path in paths:
-                _get(module, path)
+                part(module, path)
     except (AttributeError, IndexError, ValueError) as error:
         return f"the tower differs from what qvl expects ({type(error).__name__}: {error})"
     if len(visual.blocks) != config.depth:
         return f"{len(visual.blocks)} blocks where the config says {config.depth}"
     norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
-    norms += [_get(merger, names.merger_norm) for merger in mergers]
+    norms += [part(merger, names.merger_norm) for merger in mergers]
     if not all(type(norm) is nn.LayerNorm or hasattr(norm, "variance_epsilon") for norm in norms):
         return "norms other than torch's LayerNorm or an RMSNorm"
     head_dim = visual.blocks[0].attn.hidden_size_per_attention_head
@@ -141,12 +135,6 @@ def tower_mismatch(visual: nn.Module | None, vllm_config, family: Family, split:
         # and v; vLLM gathers them again in its own forward.
         return "its qkv projection splits the stacked q, k, v rows rather than heads over the ranks"
     return None
-
-
-def _get(module: nn.Module, path: str):
-    for part in path.split("."):
-        module = module[int(part)] if part.isdigit() else getattr(module, part)
-    return module
 
 
 def _linear_paths(linears: list[str]) -> list[str]:

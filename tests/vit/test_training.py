@@ -294,18 +294,19 @@ def test_training_step_peak_memory_not_above_sdpa():
 PARALLEL_GRIDS = {"images": [[1, 4, 6], [1, 2, 2], [1, 6, 2]], "video": [[3, 2, 4], [1, 2, 2]]}
 
 
-def _tower_loss(merged, deepstack) -> torch.Tensor:
+def tower_loss(merged, deepstack) -> torch.Tensor:
     return merged.square().sum() + sum(f.sum() for f in deepstack)
 
 
-def _hf_gradients(hf, pixels, grid) -> dict[str, torch.Tensor]:
-    """transformers' gradients of the same loss (parameters by name, and ``"pixels"``)."""
-    pixels = pixels.to(hf.dtype).requires_grad_(True)
-    hf.zero_grad()
+def vision_gradients(model, pixels, grid) -> dict[str, torch.Tensor]:
+    """The gradients of :func:`tower_loss` over a vision model's outputs (transformers', patched or not): every
+    parameter's by name, and ``"pixels"``."""
+    pixels = pixels.to(model.dtype).requires_grad_(True)
+    model.zero_grad()
     with torch.enable_grad():
-        out = hf(pixels, grid_thw=torch.tensor(grid))
-        _tower_loss(out.pooler_output, out.deepstack_features).backward()
-    return {"pixels": pixels.grad, **{name: p.grad for name, p in hf.named_parameters()}}
+        out = model(pixels, grid_thw=torch.tensor(grid))
+        tower_loss(out.pooler_output, getattr(out, "deepstack_features", [])).backward()
+    return {"pixels": pixels.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
 def _parallel_rank(out_dir: str) -> None:
@@ -323,13 +324,13 @@ def _parallel_rank(out_dir: str) -> None:
             pixels = pixel_values_for(grid, seed=51).requires_grad_(True)
             tower.zero_grad()
             with force_backend("torch"):
-                _tower_loss(*tower(pixels, grid)).backward()
+                tower_loss(*tower(pixels, grid)).backward()
             got = {"pixels": pixels.grad, **{name: p.grad for name, p in tower.named_parameters()}}
             if mode == "data":  # each rank's gradients cover its share: their sum is the whole batch's
                 for tensor in got.values():
                     dist.all_reduce(tensor)
-            expected = _hf_gradients(hf, pixel_values_for(grid, seed=51), grid)
-            truth = float64_run(hf, lambda model, g=grid: _hf_gradients(model, pixel_values_for(g, seed=51), g))
+            expected = vision_gradients(hf, pixel_values_for(grid, seed=51), grid)
+            truth = float64_run(hf, lambda model, g=grid: vision_gradients(model, pixel_values_for(g, seed=51), g))
             # This rank's part of the whole tower's gradients (weights mode keeps a shard of each split tensor).
             expected, truth = (
                 {"pixels": t["pixels"], **tower._parallel.local_state_dict(t, shapes)} for t in (expected, truth)

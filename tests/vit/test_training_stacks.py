@@ -11,6 +11,7 @@ import torch
 from test_hf_patch import GRID, TINY_VISION, float64_run, image_inputs, tiny_full_model, tiny_vl_config
 from test_qwen2_towers import vision_model as qwen2_vision_model
 from test_training import loss_of
+from test_training import vision_gradients as gradients
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
@@ -18,19 +19,6 @@ from tolerance import assert_error_within
 from towers import hf_vision_model, pixel_values_for, run_two_ranks
 
 QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
-
-
-def _loss(output) -> torch.Tensor:
-    return output.pooler_output.square().sum() + sum(f.sum() for f in getattr(output, "deepstack_features", []))
-
-
-def gradients(model, pixels, grid) -> dict[str, torch.Tensor]:
-    """Gradients of every parameter and of the pixel values for one loss over the tower's outputs."""
-    pixels = pixels.to(model.dtype).requires_grad_(True)
-    model.zero_grad()
-    with torch.enable_grad():
-        _loss(model(pixels, grid_thw=torch.tensor(grid))).backward()
-    return {"pixels": pixels.grad, **{name: p.grad for name, p in model.named_parameters()}}
 
 
 def towers():

@@ -9,7 +9,8 @@ import importlib.util
 import pytest
 import torch
 from test_hf_patch import GRID, TINY_VISION, float64_run
-from test_training_stacks import gradients
+from test_training import tower_loss
+from test_training import vision_gradients as gradients
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model
@@ -58,8 +59,7 @@ def _zero3_rank(out_dir: str) -> None:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         with force_backend("torch"):
             output = engine(pixels, grid_thw=torch.tensor(GRID))
-            loss = output.pooler_output.square().sum() + sum(f.sum() for f in output.deepstack_features)
-            engine.backward(loss)
+            engine.backward(tower_loss(output.pooler_output, output.deepstack_features))
         resident = [name for name, p in model.named_parameters() if p.numel() > 0]
         results[case] = ({name: safe_get_full_grad(p) for name, p in model.named_parameters()}, resident)
     torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
