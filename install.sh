@@ -71,7 +71,8 @@ if [ "$extras" = "sglang" ]; then
     rm -f "$constraint"
   fi
   "$py" -m pip install --quiet -e ".[sglang-test]"
-  "$py" -c "import torch, transformers, sglang, qvl.kernels; print(f'qvl installed in .venv-sglang: sglang \
+  # The tests' start-up shim (tests/sglang/sitecustomize.py) makes PyPI's CUDA torchvision importable here.
+  PYTHONPATH=tests/sglang "$py" -c "import torch, transformers, sglang, qvl.kernels; print(f'qvl installed in .venv-sglang: sglang \
 {sglang.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
   exit 0
 fi

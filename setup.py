@@ -52,5 +52,7 @@ setup(
         "console_scripts": ["qvl = qvl.vit.cli:main"],
         # vLLM calls this in each of its processes; it imports nothing from vLLM until then (qvl.vit.vllm_plugin).
         "vllm.general_plugins": ["qvl = qvl.vit.vllm_plugin:register"],
+        # SGLang calls this in each of its processes (qvl.vit.sglang_plugin); it imports nothing from SGLang until then.
+        "sglang.srt.plugins": ["qvl = qvl.vit.sglang_plugin:register"],
     },
 )

@@ -18,6 +18,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # A spec without origin is that folder itself, found as a namespace package (this folder is on sys.path).
 _vllm = importlib.util.find_spec("vllm")
 collect_ignore_glob = [] if _vllm is not None and _vllm.origin is not None else ["vllm", "vllm/*"]
+# tests/sglang likewise runs in .venv-sglang (bash install.sh sglang) and only there.
+_sglang = importlib.util.find_spec("sglang")
+if _sglang is None or _sglang.origin is None:
+    collect_ignore_glob += ["sglang", "sglang/*"]
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,0 +1,14 @@
+"""Fixtures of the SGLang tests, which run in .venv-sglang (``bash install.sh sglang``; tests/conftest.py skips this
+folder where sglang is not installed).
+
+pytest puts this folder on sys.path, so tests import its modules by bare name (``from inprocess import ...``).
+"""
+
+import os
+import runpy
+
+# SGLang imports torchvision (through transformers) and, on its generic platform, vllm._custom_ops: this process
+# needs the start-up shim as well, unless pytest was started with tests/sglang on PYTHONPATH, which already ran it.
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py"))
+# SGLang compiles its rotary function with torch.compile on first use (23 s here); the tests compare eager code.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

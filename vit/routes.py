@@ -1,0 +1,44 @@
+"""What qvl's routes inside a serving engine did in this process: how many forwards each took, and how each tower it
+took over runs. One :class:`RouteLog` per engine plugin (:mod:`qvl.vit.vllm_routes`, :mod:`qvl.vit.sglang_plugin`);
+the engines' test helpers read them in the engine's worker processes, where the calls happen."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["ROUTES", "RouteLog"]
+
+# The routes a log counts: calls taken by qvl, and calls left to the engine's own code.
+ROUTES = ("attention", "attention_fallback", "tower", "tower_fallback")
+
+
+class RouteLog:
+    """Thread-safe counts of the forwards each route took, and the towers qvl runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(ROUTES, 0)
+        self._towers: list[dict] = []
+
+    def count(self, route: str) -> None:
+        """Count one forward taken by ``route`` (one of :data:`ROUTES`)."""
+        with self._lock:
+            self._counts[route] += 1
+
+    def route_counts(self) -> dict[str, int]:
+        """How many forwards each route took since the process started: ``attention`` (the engine's vision
+        attention calls run by ``torch.ops.qvl.vision_attn``), ``attention_fallback`` (calls left to the engine's
+        own attention), ``tower`` (vision tower forwards run by qvl's tower) and ``tower_fallback`` (tower forwards
+        left to the engine's own). Calls made while torch.compile traces are not counted."""
+        with self._lock:
+            return dict(self._counts)
+
+    def record_tower(self, description: dict) -> None:
+        """Note a tower qvl took over."""
+        with self._lock:
+            self._towers.append(dict(description))
+
+    def towers(self) -> list[dict]:
+        """The towers qvl runs in this process, one dict each (the engine plugin says which keys)."""
+        with self._lock:
+            return [dict(tower) for tower in self._towers]

@@ -1,0 +1,138 @@
+"""qvl inside SGLang: the ``sglang.srt.plugins`` entry point and its switch.
+
+Installing qvl next to SGLang is the whole set-up: SGLang calls :func:`register` in each of its processes before it
+builds a model, and :func:`register` hooks SGLang's model loader (``sglang.srt.model_loader.get_model``, an AFTER
+hook of SGLang's ``HookRegistry``), so that in each scheduler process, once the model is built and its weights are
+loaded, :func:`apply`
+
+* gives every ``VisionAttention`` layer (the ViT attention of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
+  InternVL and others) qvl's backend, ``torch.ops.qvl.vision_attn`` (:mod:`qvl.vit.sglang_attention`), with the
+  backend SGLang chose kept for what qvl does not take;
+* and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE on qvl's tower forward over
+  SGLang's own modules and loaded weights (:mod:`qvl.vit.sglang_tower`).
+
+One log line in each scheduler says which routes are active and why any fell back. The switch is the environment
+variable ``QVL_SGLANG``, with the values of vLLM's ``QVL_VLLM``:
+
+* unset, ``1`` or ``all``: both routes;
+* ``attention``: the attention route only (SGLang's own towers, and its own data-parallel split);
+* ``0`` or ``off``: nothing changes in SGLang.
+
+SGLang's own allow-list picks plugins: ``SGLANG_PLUGINS=qvl`` (with other names, comma-separated) loads only those
+named; a list without ``qvl`` leaves qvl out.
+
+This module imports nothing from SGLang at import time; a hook or route that fails is logged and leaves SGLang's
+code in place, so the plugin never stops SGLang from serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .routes import RouteLog
+
+__all__ = ["SWITCH", "TESTED_SGLANG_VERSIONS", "apply", "register", "route_counts", "state", "towers"]
+
+SWITCH = "QVL_SGLANG"
+TESTED_SGLANG_VERSIONS = ("0.5.23",)
+_MODES = {"": "all", "1": "all", "all": "all", "on": "all", "attention": "attention", "0": "off", "off": "off"}
+# The function whose result (the loaded model) the routes are applied to.
+MODEL_LOADER = "sglang.srt.model_loader.get_model"
+# SGLang prints the records of loggers under its own "sglang" logger.
+logger = logging.getLogger("sglang.qvl")
+
+_routes = RouteLog()
+route_counts = _routes.route_counts
+towers = _routes.towers
+_state: dict = {"mode": None, "hooked": False, "reason": None, "models": []}
+
+
+def state() -> dict:
+    """What the plugin did in this process: the switch's ``mode``, whether the model loader is ``hooked``, the
+    ``reason`` when it left SGLang unchanged, and per model it applied to (``models``): its class, the
+    ``attention_layers`` qvl took, ``attention_left`` (reason -> layers left to SGLang's backend), and ``tower``
+    (``"qvl"``, or the reason SGLang's tower runs, or None for a model of no qvl family)."""
+    return {**_state, "models": [dict(model) for model in _state["models"]]}
+
+
+def _mode() -> str | None:
+    return _MODES.get(os.environ.get(SWITCH, "").strip().lower())
+
+
+def register() -> None:
+    """SGLang's plugin hook (entry point ``qvl`` in group ``sglang.srt.plugins``): hook the model loader in this
+    process according to ``QVL_SGLANG``. Safe to call more than once; never raises."""
+    if _state["mode"] is not None:
+        return
+    mode = _mode()
+    if mode is None:
+        _state.update(mode="off", reason=f"unknown {SWITCH}={os.environ[SWITCH]!r}")
+        logger.warning(
+            "qvl: %s=%r is not one of %s; qvl leaves SGLang unchanged", SWITCH, os.environ[SWITCH], sorted(_MODES)
+        )
+        return
+    _state["mode"] = mode
+    if mode == "off":
+        _state["reason"] = f"{SWITCH}={os.environ.get(SWITCH)}"
+        logger.info("qvl: off (%s=%s); SGLang runs unchanged", SWITCH, os.environ.get(SWITCH))
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(MODEL_LOADER, _after_model_loaded, HookType.AFTER)
+        _state["hooked"] = True
+    except Exception as error:  # only SGLang calls this hook; anyone else gets a note, not an error
+        _state["reason"] = f"SGLang's hook registry is not usable ({type(error).__name__}: {error})"
+        logger.warning("qvl: %s; SGLang runs unchanged", _state["reason"])
+
+
+def _after_model_loaded(model, *args, **kwargs) -> None:
+    model_config = kwargs.get("model_config")
+    apply(model, getattr(model_config, "hf_config", None))
+
+
+def apply(model, hf_config=None) -> dict:
+    """Put qvl's routes into a built SGLang ``model`` (``hf_config``: its transformers config, which the tower route
+    reads; None: attention route only), as the plugin does after SGLang loads a model; returns what it did (an
+    entry of :func:`state`'s ``models``). Idempotent per layer and tower. Never raises: a route that fails leaves
+    SGLang's code and is logged."""
+    from . import sglang_attention, sglang_tower
+
+    mode = _state["mode"] or _mode() or "off"
+    done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None}
+    try:
+        done["attention_layers"], done["attention_left"] = sglang_attention.attach(model, _routes)
+    except Exception as error:
+        done["attention_left"] = {f"{type(error).__name__}: {error}": -1}
+    family = sglang_tower.ARCHITECTURES.get(type(model).__name__)
+    if family is not None:
+        if mode != "all":
+            done["tower"] = f"{SWITCH}={mode}"
+        elif hf_config is None:
+            done["tower"] = "no model config given"
+        else:
+            done["tower"] = sglang_tower.attach(model, hf_config, family, _routes) or "qvl"
+    _state["models"].append(done)
+    _log(done, mode)
+    return done
+
+
+def _log(done: dict, mode: str) -> None:
+    try:
+        import sglang
+
+        version = sglang.__version__
+    except (ImportError, AttributeError):
+        version = "unknown"
+    untested = "" if version in TESTED_SGLANG_VERSIONS else f"; untested SGLang {version}"
+    left = "".join(f"; {count} left to SGLang's backend: {reason}" for reason, count in done["attention_left"].items())
+    attention = f"vision attention -> torch.ops.qvl.vision_attn in {done['attention_layers']} layers{left}"
+    tower = done["tower"]
+    if tower is None:
+        towers = ""
+    elif tower == "qvl":
+        towers = f"; {done['model']}'s vision tower on qvl"
+    else:
+        towers = f"; SGLang's own vision tower for {done['model']}: {tower}"
+    logger.info("qvl: active (%s=%s, pid %d): %s%s%s", SWITCH, mode, os.getpid(), attention, towers, untested)

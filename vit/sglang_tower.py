@@ -1,0 +1,175 @@
+"""SGLang's vision towers of qvl's families on qvl's tower runner.
+
+For a loaded SGLang model of an architecture a family declares (:mod:`qvl.vit.families`: Qwen3-VL, Qwen3-VL-MoE,
+Qwen3.5 and Qwen3.5-MoE, whose towers are all SGLang's ``Qwen3VLMoeVisionModel``), :func:`attach` sets the tower
+instance's ``forward`` to :class:`QvlTowerForward`, which runs :class:`qvl.vit.runner.TowerRunner` over SGLang's
+own modules and the weights SGLang loaded into them (nothing is copied): host metadata once per batch, then the
+patch embed, the position-embedding kernel, the blocks with rotary fused into attention and residual fused into
+the norms, the MLP's fused activation and the mergers on qvl's ops.
+
+SGLang's encoder modes:
+
+* one rank: the tower runs in the scheduler process as above;
+* ``--mm-enable-dp-encoder`` (replicated tower weights over the tensor-parallel group): the batch is split by qvl's
+  balancer (:mod:`qvl.vit.balance`: a cost model with attention's quadratic term, videos split by frame) instead of
+  SGLang's greedy split of whole items, and one all-gather returns every rank's features. The model then hands
+  the whole batch to the tower.
+
+What stays SGLang's (one log line each, when the model is loaded): towers whose weights are split over ranks
+(tensor parallel without the DP encoder: SGLang shards the position table by rows), quantized towers, towers
+whose shape qvl's forward does not match, and the ViT CUDA-graph path (``SGLANG_VIT_ENABLE_CUDA_GRAPH``), whose
+attention still runs on qvl through the attention route.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch import nn
+
+from .families import Family, config_from_hf, sglang_architectures
+from .layers import Product
+from .parallel import DataParallel, SingleProcess
+from .routes import RouteLog
+from .runner import TowerRunner, part
+
+__all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "tower_mismatch"]
+
+logger = logging.getLogger("sglang.qvl")
+
+# SGLang's model class name -> family.
+ARCHITECTURES: dict[str, Family] = sglang_architectures()
+# SGLang's switch for its ViT CUDA graphs, read by its towers' forward on every call.
+CUDA_GRAPH_SWITCH = "SGLANG_VIT_ENABLE_CUDA_GRAPH"
+
+
+def _split(model: nn.Module) -> str | None:
+    from sglang.srt.runtime_context import get_parallel
+
+    if get_parallel().attn_tp_size == 1:
+        return None
+    return "data" if getattr(model, "use_data_parallel", False) else "weights"
+
+
+def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | None) -> str | None:
+    """Why qvl's runner cannot run ``model.visual`` (None when it can); checked once, when the model is loaded, so
+    no forward fails halfway. ``hf_config``: the model's transformers config (SGLang's ``model_config.hf_config``),
+    ``split``: the encoder's parallel mode (None for one rank)."""
+    visual = getattr(model, "visual", None)
+    if visual is None:
+        return "the model has no vision tower in this process"
+    if split == "weights":
+        return "its weights are split over ranks (qvl runs SGLang's towers on one rank or with --mm-enable-dp-encoder)"
+    if os.environ.get(CUDA_GRAPH_SWITCH, "").strip().lower() in ("1", "true", "yes", "on"):
+        return f"{CUDA_GRAPH_SWITCH} (SGLang's ViT CUDA graphs run its own tower forward)"
+    names = family.sglang_names or family.names
+    _, config = config_from_hf(hf_config)
+    linears = [names.attn_qkv, "attn.proj", *(f"mlp.{name}" for name in (*names.mlp_in, names.mlp_out))]
+    mergers = [visual.merger]
+    if config.deepstack_visual_indexes:
+        mergers += list(part(visual, names.deepstack_mergers))
+    try:
+        checks = [(visual, ["patch_embed.proj.weight", "pos_embed.weight", "rotary_pos_emb"])]
+        checks += [(block, ["norm1.weight", "norm2.weight", *linears]) for block in visual.blocks]
+        checks += [(merger, [names.merger_norm, names.merger_fc1, names.merger_fc2]) for merger in mergers]
+        for module, paths in checks:
+            for path in paths:
+                part(module, path)
+    except (AttributeError, IndexError) as error:
+        return f"the tower differs from what qvl expects ({type(error).__name__}: {error})"
+    if len(visual.blocks) != config.depth:
+        return f"{len(visual.blocks)} blocks where the config says {config.depth}"
+    layers = [part(block, path) for block in visual.blocks for path in linears]
+    layers += [part(merger, path) for merger in mergers for path in (names.merger_fc1, names.merger_fc2)]
+    methods = {type(layer.quant_method).__name__ for layer in layers}
+    if methods != {"UnquantizedLinearMethod"}:
+        return f"linears with weights other than plain ones ({', '.join(sorted(methods))})"
+    norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
+    norms += [part(merger, names.merger_norm) for merger in mergers]
+    if not all(type(norm) is nn.LayerNorm for norm in norms):
+        return "norms other than torch's LayerNorm"
+    if visual.pos_embed.weight.shape[0] != config.num_position_embeddings:
+        return "a position table split over ranks"
+    heads = visual.blocks[0].attn.num_attention_heads_per_partition
+    head_dim = visual.blocks[0].attn.head_size
+    rope = visual.rotary_pos_emb
+    if heads != config.num_heads or head_dim != config.head_dim:
+        return f"{heads} heads of {head_dim} where the config says {config.num_heads} of {config.head_dim}"
+    if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or rope.base != config.rope_theta:
+        return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, base {rope.base})"
+    if visual.patch_embed.proj.weight.dim() != 5:
+        return "a patch embedding that is not a Conv3d weight"
+    if visual.merger.use_postshuffle_norm or not all(merger.use_postshuffle_norm for merger in mergers[1:]):
+        return "mergers that norm in another order than Qwen3-VL's"
+    if getattr(visual, "disable_merger_proj", False):
+        return "mergers without their projection (disable_merger_proj)"
+    return None
+
+
+def attach(model: nn.Module, hf_config, family: Family, routes: RouteLog) -> str | None:
+    """Run ``model.visual`` (a ``family`` model of transformers config ``hf_config``) on qvl when
+    :func:`tower_mismatch` finds nothing; returns None when it does, else the reason SGLang's tower stays. Nothing
+    of the model changes until everything qvl needs is in hand."""
+    try:
+        split = _split(model)
+        reason = tower_mismatch(model, hf_config, family, split)
+        if reason is None:
+            forward = _qvl_forward(model, hf_config, family, split, routes)
+    except Exception as error:  # an SGLang that differs from what qvl expects must still serve
+        reason = f"{type(error).__name__}: {error}"
+    if reason is not None:
+        return reason
+    model.visual.forward = forward
+    if split == "data":
+        # The model then hands the whole batch to the tower, whose strategy splits it.
+        model.use_data_parallel = False
+    routes.record_tower({"model": type(model).__name__, "split": split})
+    return None
+
+
+def _qvl_forward(model: nn.Module, hf_config, family: Family, split: str | None, routes: RouteLog):
+    visual = model.visual
+    _, config = config_from_hf(hf_config)
+    if split == "data":
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().attn_tp_group
+        # Features travel over the device group, the per-call batch check over SGLang's gloo twin of it.
+        strategy = DataParallel(config, group.device_group, host_group=group.cpu_group)
+    else:
+        strategy = SingleProcess(config)
+    runner = TowerRunner(visual, config, family.sglang_names or family.names, linear=_linear_parts)
+    return QvlTowerForward(visual, runner, strategy, routes)
+
+
+class QvlTowerForward:
+    """The ``forward`` of an SGLang ``Qwen3VLMoeVisionModel`` instance, on qvl.
+
+    ``forward(x, grid_thw)``: ``x`` the processor's ``(T, in_channels * temporal_patch_size * patch_size**2)``
+    patches in merge-block order, ``grid_thw`` ``(N, 3)`` (a CPU tensor or list). Returns SGLang's layout:
+    ``(T / m^2, out_hidden_size * (1 + len(deepstack)))``, the main merger's features then each deepstack merger's.
+    """
+
+    def __init__(self, visual: nn.Module, runner: TowerRunner, strategy, routes: RouteLog):
+        self.visual = visual
+        self.runner = runner
+        self.strategy = strategy
+        self.routes = routes
+
+    def __call__(self, x: torch.Tensor, grid_thw) -> torch.Tensor:
+        self.routes.count("tower")
+        if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
+            # SGLang keeps grid_thw on the CPU for these models; read elsewhere, it costs the sync SGLang's own
+            # forward makes.
+            grid_thw = grid_thw.tolist()
+        merged, deepstack = self.strategy.run(x, grid_thw, self.runner.encode_grid, self.runner.device)
+        return torch.cat([merged, *deepstack], dim=1) if deepstack else merged
+
+
+def _linear_parts(module: nn.Module) -> tuple[Product, torch.Tensor | None]:
+    # The product goes through the linear's own method (platforms may keep the weight packed); the bias is added
+    # by qvl's fused epilogue.
+    return functools.partial(module.quant_method.apply, module, bias=None), module.bias
