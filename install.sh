@@ -53,7 +53,8 @@ if [ "$extras" = "sglang" ]; then
   "$py" -m pip install --quiet --upgrade pip setuptools wheel
   # sglang's declared dependencies pin torch 2.14.1 and pull CUDA-only packages (flashinfer, sglang-kernel,
   # flash-attn-4, ...), none of which can run here: sglang and torchvision go in without their
-  # dependencies, and its pure-Python ones are listed here, under a constraint that keeps the CPU torch.
+  # dependencies, and its pure-Python ones are listed here, under a constraint that keeps the CPU torch
+  # (plus decord, SGLang's CPU video decoder, and av, which writes the tests' video file).
   # Skipped when sglang is already there.
   if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '0.5.23' \
       or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
@@ -67,7 +68,7 @@ if [ "$extras" = "sglang" ]; then
       packaging tqdm fastapi "uvicorn>=0.51" uvloop aiohttp python-multipart partial_json_parser interegular \
       distro "prometheus-client>=0.20.0" xxhash zstandard watchfiles "python-dateutil<3" easydict IPython dill \
       sentencepiece==0.2.1 tiktoken compressed-tensors==0.18.0 gguf openai==2.8.0 "anthropic>=0.20.0" \
-      openai-harmony==0.0.4 xgrammar==0.2.7 jsonschema soundfile==0.13.1
+      openai-harmony==0.0.4 xgrammar==0.2.7 jsonschema soundfile==0.13.1 decord==0.6.0 av
     rm -f "$constraint"
   fi
   "$py" -m pip install --quiet -e ".[sglang-test]"

@@ -1,9 +1,9 @@
 """qvl inside SGLang: the ``sglang.srt.plugins`` entry point and its switch.
 
 Installing qvl next to SGLang is the whole set-up: SGLang calls :func:`register` in each of its processes before it
-builds a model, and :func:`register` hooks SGLang's model loader (``sglang.srt.model_loader.get_model``, an AFTER
-hook of SGLang's ``HookRegistry``), so that in each scheduler process, once the model is built and its weights are
-loaded, :func:`apply`
+builds a model, and :func:`register` hooks the function SGLang's model runner loads its model with
+(``load_model_with_memory_saver``, an AFTER hook of SGLang's ``HookRegistry``), so that in each scheduler process,
+once the model is built and its weights are loaded, :func:`apply`
 
 * gives every ``VisionAttention`` layer (the ViT attention of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
   InternVL and others) qvl's backend, ``torch.ops.qvl.vision_attn`` (:mod:`qvl.vit.sglang_attention`), with the
@@ -37,8 +37,9 @@ __all__ = ["SWITCH", "TESTED_SGLANG_VERSIONS", "apply", "register", "route_count
 SWITCH = "QVL_SGLANG"
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
 _MODES = {"": "all", "1": "all", "all": "all", "on": "all", "attention": "attention", "0": "off", "off": "off"}
-# The function whose result (the loaded model) the routes are applied to.
-MODEL_LOADER = "sglang.srt.model_loader.get_model"
+# The function whose result (the loaded model, as ``.model``) the routes are applied to: every model a scheduler's
+# model runner loads (the draft model of speculative decoding too) comes through it.
+MODEL_LOADER = "sglang.srt.model_executor.model_runner_components.load_model_utils.load_model_with_memory_saver"
 # SGLang prints the records of loggers under its own "sglang" logger.
 logger = logging.getLogger("sglang.qvl")
 
@@ -87,9 +88,9 @@ def register() -> None:
         logger.warning("qvl: %s; SGLang runs unchanged", _state["reason"])
 
 
-def _after_model_loaded(model, *args, **kwargs) -> None:
+def _after_model_loaded(loaded, *args, **kwargs) -> None:
     model_config = kwargs.get("model_config")
-    apply(model, getattr(model_config, "hf_config", None))
+    apply(loaded.model, getattr(model_config, "hf_config", None))
 
 
 def apply(model, hf_config=None) -> dict:

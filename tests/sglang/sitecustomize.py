@@ -3,6 +3,9 @@
 
 * torchvision: PyPI's build is a CUDA one; tests/vllm/sitecustomize.py explains the blank
   ``torchvision._meta_registrations`` that makes ``import torchvision`` work here (run from there, not copied).
+* ``Tensor.pin_memory``: SGLang's video decoder pins the decoded frames unless it runs its CPU engine (which this
+  machine cannot: it needs AVX-512/AMX kernels); without an accelerator torch refuses to pin, so here it returns
+  the tensor itself (pinning only speeds up host-to-device copies, of which there are none).
 * ``vllm._custom_ops``: on its generic platform SGLang's ``RotaryEmbedding.__init__`` imports
   ``vllm._custom_ops.rotary_embedding`` and never calls it (the forward is pure torch). vLLM is not installed
   here, so a stand-in module provides the name; calling it raises, so no test can pass through it unnoticed.
@@ -18,6 +21,11 @@ import sys
 import types
 
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm", "sitecustomize.py"))
+
+import torch  # noqa: E402
+
+if not torch.accelerator.is_available():
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
 def _not_here(*args, **kwargs):
@@ -37,3 +45,31 @@ if _vllm is None or _vllm.origin is None:
     vllm._custom_ops = custom_ops
     sys.modules["vllm"] = vllm
     sys.modules["vllm._custom_ops"] = custom_ops
+
+
+def _report_routes(directory: str) -> None:
+    """Write the plugin's route counts and state to ``directory/<pid>.json`` whenever they change: SGLang's scheduler
+    runs the routes in a subprocess that the engine's shutdown kills, so the test reads what it last wrote."""
+    import json
+    import threading
+    import time
+
+    def loop():
+        last = None
+        while True:
+            plugin = sys.modules.get("qvl.vit.sglang_plugin")
+            if plugin is not None:
+                report = {"pid": os.getpid(), "counts": plugin.route_counts(), "state": plugin.state()}
+                if report != last:
+                    path = os.path.join(directory, f"{os.getpid()}.json")
+                    with open(path + ".tmp", "w", encoding="utf-8") as f:
+                        json.dump(report, f)
+                    os.replace(path + ".tmp", path)
+                    last = report
+            time.sleep(0.2)
+
+    threading.Thread(target=loop, name="qvl-test-route-report", daemon=True).start()
+
+
+if os.environ.get("QVL_TEST_REPORT_DIR"):
+    _report_routes(os.environ["QVL_TEST_REPORT_DIR"])
