@@ -105,6 +105,16 @@ def get_device(requested: str = "auto") -> Device:
     return Device(device, name, peaks, l2)
 
 
+def cpu_name() -> str:
+    """The CPU's model name as a file-name slug (``/proc/cpuinfo``'s, else the platform's), e.g. for results files."""
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    name = found.group(1) if found else platform.processor() or platform.machine()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def qvl_path(device: Device) -> contextlib.AbstractContextManager:
     """Wrap each qvl call in this: on CPU it pins the pure-torch path, so a CPU run stays fast even in a
     process where TRITON_INTERPRET=1 (the tests' setting) would send CPU tensors through the interpreter."""
@@ -157,6 +167,54 @@ def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int =
         times.append((time.perf_counter() - start) * 1e3)
     cuts = statistics.quantiles(times, n=5)
     return Timing(statistics.median(times), cuts[0], cuts[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+def cpu_allocation_sizes(run: Callable[[], Any]) -> list[int]:
+    """Bytes of every CPU tensor allocation (positive) and free (negative) during ``run()``, in order, as
+    the profiler records them from the allocator: requested sizes, whatever malloc does underneath."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = sorted(
+        (node.start_time_ns, node.extra_fields.alloc_size)
+        for node in walk(prof.profiler.kineto_results.experimental_event_tree())
+        if node.tag == _EventType.Allocation
+    )
+    assert events, "the profiler recorded no allocations"
+    return [size for _, size in events]
+
+
+def peak_tensor_bytes(run: Callable[[], Any], device: str) -> int:
+    """Most bytes of tensors alive at once during ``run()``, above what was alive when it started.
+
+    On CUDA that is the caching allocator's own peak counter of allocated (not reserved) bytes. On CPU it
+    is the running sum of the allocation and free events (:func:`cpu_allocation_sizes`): resident memory
+    also counts malloc's arenas and fragmentation, which differ between runs by more than the effect
+    measured.
+    """
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    alive = peak = 0
+    for size in cpu_allocation_sizes(run):
+        alive += size
+        peak = max(peak, alive)
+    return peak
 
 
 # --------------------------------------------------------------------------------------------------

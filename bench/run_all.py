@@ -23,6 +23,7 @@ import torch
 from . import (
     bench_attention,
     bench_attention_backward,
+    bench_cpu,
     bench_merger,
     bench_pos_embed,
     bench_rotary,
@@ -39,13 +40,14 @@ MODULES = {
     "pos_embed": bench_pos_embed,
     "merger": bench_merger,
     "tower": bench_tower,
+    "cpu": bench_cpu,  # the tower on the CPU (torch paths), whatever --device says
     "window": bench_window,  # last: device_check.sh shows the end of the log, and this is the open goal
 }
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=sorted(harness.DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(harness.DTYPES), help="one dtype (default: each module's own)")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases (always on for CPU runs)")
     parser.add_argument("--json-dir", type=Path, default=harness.RESULTS_DIR, help="where the JSON files go")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -63,7 +65,11 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str,
     args = parse_args(argv)
     slug = harness.get_device(args.device).slug
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    shared = ["--dtype", args.dtype, "--device", args.device] + (["--quick"] if args.quick else [])
+    shared = (
+        ["--device", args.device]
+        + (["--dtype", args.dtype] if args.dtype else [])
+        + (["--quick"] if args.quick else [])
+    )
     reports: dict[str, Report] = {}
     failures: dict[str, str] = {}
     for name in args.names:

@@ -9,7 +9,9 @@ tanh and quick GELU), ``swiglu`` (bias_swiglu). The out-of-place ops of pos_embe
 and swiglu have a backward (``torch.library.register_autograd``, itself a custom op ``*_backward``); their
 in-place ops refuse gradients. ``tiles`` holds what two families share (Triton device functions, the
 row-wise epilogues' tiles, the backward's partial-sum reduction); ``common`` chooses the path each call takes
-(the autograd routing included) and checks arguments. Single-device ops only: composing them into layers,
+(the autograd routing included) and checks arguments; ``torch_path`` holds the ops' CPU path (torch's fused
+attention, the rotary once per q and k) as functions torch.compile traces into, and :func:`ops_for` picks them or
+the custom ops for a device. Single-device ops only: composing them into layers,
 and distributing them, is :mod:`qvl.vit`'s business.
 """
 
@@ -55,6 +57,7 @@ else:
     from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_reference
     from .rotary import rotary_2d, rotary_2d_, rotary_2d_reference
     from .swiglu import bias_swiglu, bias_swiglu_backward, bias_swiglu_reference
+    from .torch_path import ops_for
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -74,6 +77,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_reference",
+    "ops_for",
     "pos_embed_interp",
     "pos_embed_interp_backward",
     "pos_embed_interp_add_",

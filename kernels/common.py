@@ -1,15 +1,20 @@
 """What every qvl kernel needs: which path runs (autograd routing included), the device guard, and argument checks.
 
-Three paths run a qvl op, chosen per call from the input's device:
+Four paths run a qvl op, chosen per call from the input's device:
 
 * ``"triton"``: CUDA tensors run the compiled Triton kernel on the tensor's own device.
 * ``"interpreter"``: CPU tensors, when Triton's interpreter is on (``TRITON_INTERPRET=1`` in the
   environment before ``qvl.kernels`` is imported: Triton decides at decoration time), run the same
   Triton kernel through the interpreter. This is how the tests exercise the real kernels without a GPU.
-* ``"torch"``: CPU tensors otherwise run each op's pure-torch reference, so the ops work anywhere.
+* ``"torch"``: CPU tensors otherwise run the ops' torch path (:mod:`qvl.kernels.torch_path`): plain torch
+  built for speed on CPU (attention through torch's fused ``scaled_dot_product_attention``, one call per run
+  of equal-length segments, memory O(S); the rotary once per q and k; norms and activations in as few
+  passes as eager torch allows), which torch.compile traces into.
+* ``"reference"``: each op's pure-torch reference, the tests' oracle (attention materializes every segment's
+  fp32 logits). Never chosen by default.
 
-``force_backend("torch")`` overrides the choice (tests use it to reach the torch path in an interpreter
-process; users can use it to compare paths).
+``force_backend(name)`` overrides the choice (tests use ``"torch"`` and ``"reference"`` to reach those
+paths in an interpreter process; users can use it to compare paths).
 
 Checks that read tensor *values* (for example that ``cu_seqlens`` is monotonic) run on CPU inputs
 always, and on CUDA inputs only when value checks are switched on with ``QVL_CHECK_INPUTS=1`` or
@@ -41,6 +46,7 @@ from triton.backends.compiler import GPUTarget
 __all__ = [
     "ADA",
     "BACKENDS",
+    "TORCH_BACKENDS",
     "FMA_CONTRACTION",
     "HOPPER",
     "INTERPRETER",
@@ -56,13 +62,16 @@ __all__ = [
     "refuse_autograd",
     "route_autograd",
     "rows_16_byte_aligned",
+    "runs_torch",
     "run_launches",
     "set_value_checks",
     "shared_memory_per_block",
     "value_checks_enabled",
 ]
 
-BACKENDS = ("triton", "interpreter", "torch")
+BACKENDS = ("triton", "interpreter", "torch", "reference")
+# The paths that run pure torch, with no Triton kernel.
+TORCH_BACKENDS = ("torch", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Launch option of every kernel that may contract a * b + c into one FMA. Triton turned that on by default
 # until 3.9, which warns that 3.10 turns it off: asking for it keeps results and speed the same whatever
@@ -90,16 +99,20 @@ _SHARED_MEMORY_PER_BLOCK = {
 }
 
 _state = threading.local()
+# Read once, as qvl's kernels are defined: Triton reads the knob when it decorates a kernel, so a later change
+# would not reach them (and a constant is what torch.compile can trace through, where Triton's knob is not).
+_INTERPRETING = bool(triton.knobs.runtime.interpret)
 _value_checks = os.environ.get("QVL_CHECK_INPUTS", "0") not in ("", "0")
 
 
 def triton_interpreting() -> bool:
     """True when Triton's interpreter was on as qvl's kernels were defined."""
-    return bool(triton.knobs.runtime.interpret)
+    return _INTERPRETING
 
 
 def backend_for(device: torch.device) -> str:
-    """The path a qvl op takes for inputs on ``device``: ``"triton"``, ``"interpreter"`` or ``"torch"``."""
+    """The path a qvl op takes for inputs on ``device``: ``"triton"``, ``"interpreter"``, ``"torch"`` or, forced,
+    ``"reference"``. torch.compile traces through it (guarding on the forced path)."""
     forced = getattr(_state, "forced", None)
     if forced is not None:
         return forced
@@ -117,7 +130,7 @@ def backend_for(device: torch.device) -> str:
 
 @contextlib.contextmanager
 def force_backend(name: str) -> Iterator[None]:
-    """Run qvl ops on one path inside the block (``"torch"`` works everywhere)."""
+    """Run qvl ops on one path inside the block (``"torch"`` and ``"reference"`` work everywhere)."""
     if name not in BACKENDS:
         raise ValueError(f"qvl: backend must be one of {BACKENDS}, got {name!r}")
     if name == "interpreter" and not triton_interpreting():
@@ -128,6 +141,11 @@ def force_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _state.forced = previous
+
+
+def runs_torch(device: torch.device) -> bool:
+    """Whether qvl ops on ``device`` run pure torch (the ``"torch"`` path or the ``"reference"`` oracle)."""
+    return backend_for(device) in TORCH_BACKENDS
 
 
 def set_value_checks(enabled: bool) -> None:

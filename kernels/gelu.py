@@ -31,6 +31,7 @@ from .common import (
     device_target,
     refuse_autograd,
     run_launches,
+    runs_torch,
 )
 from .tiles import LOG2E, epilogue_backward_config, last_dim_contiguous, row_tiles, sum_partials_launch, times_sigmoid
 
@@ -43,6 +44,7 @@ __all__ = [
     "bias_gelu_backward_reference",
     "bias_gelu_launches",
     "bias_gelu_reference",
+    "bias_gelu_torch_",
     "launch_config",
 ]
 
@@ -218,6 +220,20 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
     return y.to(x.dtype).contiguous()
 
 
+def bias_gelu_torch_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> None:
+    """:func:`bias_gelu_` on the ops' torch path: :func:`bias_gelu_reference`'s arithmetic written into ``x``. An fp32
+    ``x`` takes the bias and the GELU in place, two passes where the reference's copy back makes three; a 16-bit
+    one computes in fp32 and rounds once, as the reference does."""
+    if x.dtype != torch.float32:
+        x.copy_(bias_gelu_reference(x, bias, approximate))
+        return
+    x.add_(bias)
+    if approximate == "quick":
+        x.mul_(torch.sigmoid(1.702 * x))
+    else:
+        torch.ops.aten.gelu_(x, approximate=approximate)
+
+
 def bias_gelu_backward_reference(
     grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +285,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     (:func:`bias_gelu_backward`; saves x and bias).
     """
     _check_bias_gelu_args("bias_gelu", x, bias, approximate)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return bias_gelu_reference(x, bias, approximate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_bias_gelu(x, bias, y, approximate)
@@ -292,7 +308,11 @@ def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -
     :func:`bias_gelu` (which has one), instead of mutating ``x`` behind autograd's back; under
     ``torch.no_grad()`` or with inputs that need no grad it runs as before."""
     _check_bias_gelu_args("bias_gelu_", x, bias, approximate)
-    if backend_for(x.device) == "torch":
+    backend = backend_for(x.device)
+    if backend == "torch":
+        bias_gelu_torch_(x, bias, approximate)
+        return
+    if backend == "reference":
         x.copy_(bias_gelu_reference(x, bias, approximate))
         return
     _launch_bias_gelu(x, bias, x, approximate)
@@ -321,7 +341,7 @@ def bias_gelu_backward(
     deterministic), rounded once. Nothing is mutated.
     """
     _check_bias_gelu_backward_args(grad_y, x, bias, approximate)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return bias_gelu_backward_reference(grad_y, x, bias, approximate)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # With no rows nothing is launched and the bias gradient is zeros.

@@ -39,6 +39,7 @@ from .common import (
     check_tensor,
     device_target,
     run_launches,
+    runs_torch,
 )
 from .tiles import last_dim_contiguous, row_split, sum_partials_launch
 
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_NORM_DIM",
     "add_layer_norm",
     "add_layer_norm_reference",
+    "add_layer_norm_torch",
     "backward_launch_config",
     "check_norm_backward_args",
     "launch_config",
@@ -58,6 +60,7 @@ __all__ = [
     "layer_norm_launches",
     "norm_launches",
     "layer_norm_reference",
+    "layer_norm_torch",
 ]
 
 # A norm program keeps next_pow2(C) fp32 values per row in registers: 16384 over 16 warps is 32 per
@@ -354,6 +357,23 @@ def add_layer_norm_reference(
     return h, layer_norm_reference(h, weight, bias, eps)
 
 
+def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm on the ops' torch path: torch's own ``F.layer_norm`` in x's dtype, as ``nn.LayerNorm`` runs. For
+    16-bit x torch takes the statistics in fp32 without an fp32 copy of x, and may round ``x_hat * weight`` before
+    adding the bias (one more rounding than :func:`layer_norm_reference`, the one transformers' towers make too).
+    Returns a new contiguous tensor."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add_layer_norm_torch(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_layer_norm` on the ops' torch path: ``h = x + delta`` as eager torch rounds it, and
+    :func:`layer_norm_torch` of it."""
+    h = (x + delta).contiguous()
+    return h, layer_norm_torch(h, weight, bias, eps)
+
+
 def layer_norm_backward_reference(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, grad_h: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -439,7 +459,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     Differentiable in x, weight and bias (:func:`layer_norm_backward`; saves x and weight).
     """
     check_norm_args("layer_norm", x, weight, bias, eps)
-    if backend_for(x.device) == "torch":
+    backend = backend_for(x.device)
+    if backend == "torch":
+        return layer_norm_torch(x, weight, bias, eps)
+    if backend == "reference":
         return layer_norm_reference(x, weight, bias, eps)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_layer_norm(x, None, None, weight, bias, y, eps)
@@ -470,7 +493,10 @@ def add_layer_norm(
     bias (:func:`layer_norm_backward` with ``grad_h``; saves h and weight; x and delta get the same gradient).
     """
     check_norm_args("add_layer_norm", x, weight, bias, eps, delta)
-    if backend_for(x.device) == "torch":
+    backend = backend_for(x.device)
+    if backend == "torch":
+        return add_layer_norm_torch(x, delta, weight, bias, eps)
+    if backend == "reference":
         return add_layer_norm_reference(x, delta, weight, bias, eps)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -503,7 +529,7 @@ def layer_norm_backward(
     a fixed order: deterministic). Nothing is mutated.
     """
     check_norm_backward_args("layer_norm_backward", grad_y, x, weight, eps, grad_h)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return layer_norm_backward_reference(grad_y, x, weight, eps, grad_h)
     return norm_backward(grad_y, x, weight, eps, grad_h, 2)
 

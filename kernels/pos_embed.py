@@ -30,12 +30,12 @@ from triton.backends.compiler import GPUTarget
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
-    backend_for,
     check_same_device,
     check_tensor,
     device_target,
     refuse_autograd,
     run_launches,
+    runs_torch,
     value_checks_enabled,
 )
 from .tiles import last_dim_contiguous
@@ -46,6 +46,7 @@ __all__ = [
     "pos_embed_interp_add_",
     "pos_embed_interp_backward",
     "pos_embed_interp_backward_launches",
+    "pos_embed_interp_add_reference",
     "pos_embed_interp_backward_reference",
     "pos_embed_interp_launches",
     "pos_embed_interp_reference",
@@ -148,6 +149,14 @@ def pos_embed_interp_reference(
 ) -> torch.Tensor:
     """Pure-torch :func:`pos_embed_interp`: ``(T, C)`` in pos_embed's dtype (materialises ``(T, 4, C)``)."""
     return _interp_fp32(pos_embed, interp_indices, interp_weights).to(pos_embed.dtype)
+
+
+def pos_embed_interp_add_reference(
+    hidden_states: torch.Tensor, pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> None:
+    """Pure-torch :func:`pos_embed_interp_add_`: adds the fp32 blend, rounded to hidden_states' dtype, in place
+    (materialises ``(T, 4, C)``)."""
+    hidden_states.add_(_interp_fp32(pos_embed, interp_indices, interp_weights).to(hidden_states.dtype))
 
 
 def pos_embed_interp_backward_reference(
@@ -290,7 +299,7 @@ def pos_embed_interp(
     interp_weights must not require grad (RuntimeError).
     """
     _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights)
-    if backend_for(pos_embed.device) == "torch":
+    if runs_torch(pos_embed.device):
         return pos_embed_interp_reference(pos_embed, interp_indices, interp_weights)
     out = torch.empty((interp_indices.shape[0], pos_embed.shape[1]), dtype=pos_embed.dtype, device=pos_embed.device)
     _launch_interp(pos_embed, interp_indices, interp_weights, out, add=False)
@@ -325,9 +334,8 @@ def pos_embed_interp_add_(
     grad it runs as before.
     """
     _check_add_args("pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights)
-    if backend_for(hidden_states.device) == "torch":
-        pos = _interp_fp32(pos_embed, interp_indices, interp_weights)
-        hidden_states.add_(pos.to(hidden_states.dtype))
+    if runs_torch(hidden_states.device):
+        pos_embed_interp_add_reference(hidden_states, pos_embed, interp_indices, interp_weights)
         return
     _launch_interp(pos_embed, interp_indices, interp_weights, hidden_states, add=True)
 
@@ -361,7 +369,7 @@ def pos_embed_interp_backward(
     Deterministic (no atomics; see the module docstring) and free of device-to-host syncs. Nothing is mutated.
     """
     _check_interp_backward_args(grad_out, pos_embed, interp_indices, interp_weights)
-    if backend_for(pos_embed.device) == "torch":
+    if runs_torch(pos_embed.device):
         return pos_embed_interp_backward_reference(grad_out, pos_embed, interp_indices, interp_weights)
     num_rows = pos_embed.shape[0]
     # A stable sort keeps each row's pairs in (token, tap) order: the summation order, so the bits, are fixed.

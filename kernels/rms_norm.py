@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from triton.backends.compiler import GPUTarget
 
-from .common import KernelLaunch, backend_for, device_target, run_launches
+from .common import KernelLaunch, device_target, run_launches, runs_torch
 from .layer_norm import MAX_NORM_DIM, check_norm_args, check_norm_backward_args, norm_backward, norm_launches
 from .tiles import last_dim_contiguous
 
@@ -112,7 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     (:func:`rms_norm_backward`; saves x and weight).
     """
     check_norm_args("rms_norm", x, weight, None, eps)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return rms_norm_reference(x, weight, eps)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rms_norm(x, None, None, weight, y, eps)
@@ -143,7 +143,7 @@ def add_rms_norm(
     (:func:`rms_norm_backward` with ``grad_h``; saves h and weight; x and delta get the same gradient).
     """
     check_norm_args("add_rms_norm", x, weight, None, eps, delta)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return add_rms_norm_reference(x, delta, weight, eps)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -175,7 +175,7 @@ def rms_norm_backward(
     added in a fixed order: deterministic). Nothing is mutated.
     """
     check_norm_backward_args("rms_norm_backward", grad_y, x, weight, eps, grad_h)
-    if backend_for(x.device) == "torch":
+    if runs_torch(x.device):
         return rms_norm_backward_reference(grad_y, x, weight, eps, grad_h)
     return norm_backward(grad_y, x, weight, eps, grad_h, 1)
 

@@ -36,6 +36,7 @@ from .common import (
     refuse_autograd,
     rows_16_byte_aligned,
     run_launches,
+    runs_torch,
     value_checks_enabled,
 )
 from .tiles import aligned_stride, last_dim_contiguous
@@ -53,6 +54,7 @@ __all__ = [
     "rotary_2d_",
     "rotary_2d_backward",
     "rotary_2d_reference",
+    "rotary_2d_torch",
     "rotary_launches",
 ]
 
@@ -206,6 +208,32 @@ def rotary_2d_reference(
     return rotate(q), rotate(k)
 
 
+def rotary_2d_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0, *, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary on the ops' torch path: :func:`rotary_2d_reference`'s arithmetic (fp32, float64 stays float64,
+    one rounding per element to the inputs' dtype, the same bits) in fewer passes. The ``D / 2`` distinct angles'
+    cos and sin are computed once for q and k, and each half of a head is rotated on its own, where the
+    reference builds duplicated ``(T, D)`` tables and a rotated-half copy. Plain torch, so torch.compile
+    traces it and fuses each tensor's rotation into one loop. Returns new contiguous ``(q_rot, k_rot)``."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inv_freq = rope_inv_freq(q.shape[-1], rope_theta, device=q.device, dtype=compute)
+    # (T, 2, D/4) -> (T, 1, D/2): the row's angles, then the column's, as every head's first half holds them.
+    angles = (positions.to(compute)[..., None] * inv_freq).flatten(1)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+
+
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated NeoX style by angles whose cos and sin are ``(T, 1, D / 2)``: ``[x1 cos - x2 sin | x2 cos + x1
+    sin]``, computed in cos's dtype and rounded once into a new contiguous tensor of x's dtype."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+
+
 def check_positions(
     op: str, positions: object, num_tokens: int, device: torch.device, read_values: bool = True
 ) -> None:
@@ -323,7 +351,10 @@ def rotary_2d(
 
 def _rotate(q, k, positions, rope_theta, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """New contiguous rotated (or, with ``inverse``, rotated-back) q and k on the input's path."""
-    if backend_for(q.device) == "torch":
+    backend = backend_for(q.device)
+    if backend == "torch":
+        return rotary_2d_torch(q, k, positions, rope_theta, inverse=inverse)
+    if backend == "reference":
         return rotary_2d_reference(q, k, positions, rope_theta, inverse=inverse)
     q_out, k_out = _empty_like(q), _empty_like(k)
     launches = rotary_launches(q, k, q_out, k_out, positions, rope_theta, device_target(k.device), inverse)
@@ -382,8 +413,8 @@ def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_t
     RuntimeError before mutating anything; use :func:`rotary_2d`, or ``vision_attn(..., positions=...)``.
     """
     _check_rotary_args("rotary_2d_", q, k, positions, rope_theta)
-    if backend_for(q.device) == "torch":
-        q_rot, k_rot = rotary_2d_reference(q, k, positions, rope_theta)
+    if runs_torch(q.device):
+        q_rot, k_rot = _rotate(q, k, positions, rope_theta, inverse=False)
         q.copy_(q_rot)
         k.copy_(k_rot)
         return

@@ -32,11 +32,11 @@ from triton.backends.compiler import GPUTarget
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
-    backend_for,
     check_same_device,
     check_tensor,
     device_target,
     run_launches,
+    runs_torch,
 )
 from .tiles import epilogue_backward_config, last_dim_contiguous, row_tiles, sum_partials_launch, times_sigmoid
 
@@ -278,7 +278,7 @@ def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, u
     mutated. Differentiable in all four inputs (:func:`bias_swiglu_backward`; saves the four inputs).
     """
     _check_bias_swiglu_args("bias_swiglu", gate, up, gate_bias, up_bias)
-    if backend_for(gate.device) == "torch":
+    if runs_torch(gate.device):
         return bias_swiglu_reference(gate, up, gate_bias, up_bias)
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     launches = bias_swiglu_launches(gate, up, gate_bias, up_bias, y, device_target(gate.device))
@@ -308,7 +308,7 @@ def bias_swiglu_backward(
     (per-program partial sums added in a fixed order: deterministic), rounded once. Nothing is mutated.
     """
     _check_bias_swiglu_backward_args(grad_y, gate, up, gate_bias, up_bias)
-    if backend_for(gate.device) == "torch":
+    if runs_torch(gate.device):
         return bias_swiglu_backward_reference(grad_y, gate, up, gate_bias, up_bias)
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)

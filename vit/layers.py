@@ -2,7 +2,9 @@
 row-parallel linear whose one reduction tensor parallelism needs.
 
 Plain functions over weight tensors, so ``torch.compile`` sees through them to the ops and matmuls, and
-the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). Where a weight cannot
+the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). The ops come from
+:func:`qvl.kernels.ops_for`: on the CPU's torch path plain torch functions, which compiled code traces into and
+fuses with the matmuls' neighbours; elsewhere ``torch.ops.qvl``. Where a weight cannot
 be read as a tensor (vLLM's CPU linears keep it packed for oneDNN, quantized linears keep it encoded), or where
 another module sits in a linear's place (a PEFT LoRA adapter, a hooked linear: :func:`linear_parts`), a
 :data:`Product` callable stands in for it: ``x -> x @ weight.T``, bias-less, or the module's whole output with
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
+from qvl.kernels import ops_for
 from qvl.kernels.common import check_tensor
 
 __all__ = [
@@ -97,8 +99,8 @@ def _bias_gelu(h: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> 
     """``gelu(h + bias)`` (no bias: zeros), in place unless autograd records it."""
     bias = _bias_or_zeros(bias, h)
     if needs_grad(h, bias):
-        return torch.ops.qvl.bias_gelu(h, bias, approximate)
-    torch.ops.qvl.bias_gelu_(h, bias, approximate)
+        return ops_for(h.device).bias_gelu(h, bias, approximate)
+    ops_for(h.device).bias_gelu_(h, bias, approximate)
     return h
 
 
@@ -161,8 +163,8 @@ def row_parallel_linear(
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm, or RMSNorm where there is no bias."""
     if bias is None:
-        return torch.ops.qvl.rms_norm(x, weight, eps)
-    return torch.ops.qvl.layer_norm(x, weight, bias, eps)
+        return ops_for(x.device).rms_norm(x, weight, eps)
+    return ops_for(x.device).layer_norm(x, weight, bias, eps)
 
 
 def patch_merger(
@@ -290,7 +292,7 @@ def _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduc
     """``down(silu(gate + gate_bias) * (up + up_bias))``, the biases and the activation in one op (a missing bias
     as zeros)."""
     zeros = gate.new_zeros(gate.shape[-1]) if gate_bias is None or up_bias is None else None
-    h = torch.ops.qvl.bias_swiglu(
+    h = ops_for(gate.device).bias_swiglu(
         gate, up, zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias
     )
     return row_parallel_linear(h, down_weight, down_bias, all_reduce)

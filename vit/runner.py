@@ -8,7 +8,10 @@ patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.vllm_tower`)
   with numpy once per batch: segments, rotary positions, the position-table interpolation plan (towers with a
   table) and the window layout (windowed towers, positions then in window order);
 * **device part** (:func:`device_forward`): tensors in, ``(last_hidden_state, merged, deepstack)`` out, with
-  nothing read back to the host, so :meth:`TowerRunner.compile` compiles it once for every batch shape.
+  nothing read back to the host, so :meth:`TowerRunner.compile` compiles it once for every batch shape. Its ops
+  come from :func:`qvl.kernels.ops_for`: on a CPU outside Triton's interpreter, the ops' torch path as plain torch
+  (torch's fused attention per run of equal-length segments, the rotary once per q and k), which a compiled
+  forward fuses with its neighbours (Inductor's C++ backend); elsewhere ``torch.ops.qvl``.
 
 The device forward is a sequence of module steps, each reading the parameters of one module only: the patch
 embedding (:func:`embed_step`), each block (:func:`block_step`) and each merger (:func:`merger_step`). Fusion
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
+from qvl.kernels import ops_for
 
 from .config import TowerConfig
 from .families import ModuleNames
@@ -211,17 +214,19 @@ def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, flo
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight, bias, eps = _norm_parts(norm)
+    ops = ops_for(x.device)
     if bias is None:
-        return torch.ops.qvl.rms_norm(x, weight, eps)
-    return torch.ops.qvl.layer_norm(x, weight, bias, eps)
+        return ops.rms_norm(x, weight, eps)
+    return ops.layer_norm(x, weight, bias, eps)
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + delta, norm(x + delta))`` in one fused op."""
     weight, bias, eps = _norm_parts(norm)
+    ops = ops_for(x.device)
     if bias is None:
-        return torch.ops.qvl.add_rms_norm(x, delta, weight, eps)
-    return torch.ops.qvl.add_layer_norm(x, delta, weight, bias, eps)
+        return ops.add_rms_norm(x, delta, weight, eps)
+    return ops.add_layer_norm(x, delta, weight, bias, eps)
 
 
 def patch_embed_step(patch_embed: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -235,9 +240,10 @@ def position_step(
     """``x`` plus the learned position table (``pos_embed.weight``) resampled per token; in place unless autograd
     records it."""
     table = pos_embed.weight
+    ops = ops_for(x.device)
     if needs_grad(x, table):
-        return x + torch.ops.qvl.pos_embed_interp(table, interp_indices, interp_weights).to(x.dtype)
-    torch.ops.qvl.pos_embed_interp_add_(x, table, interp_indices, interp_weights)
+        return x + ops.pos_embed_interp(table, interp_indices, interp_weights).to(x.dtype)
+    ops.pos_embed_interp_add_(x, table, interp_indices, interp_weights)
     return x
 
 
@@ -278,7 +284,7 @@ def block_step(
     attn = block.attn
     qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(part(block, spec.names.attn_qkv)), None)
     q, k, v = qkv.view(qkv.shape[0], 3, spec.num_heads, spec.head_dim).unbind(1)
-    a = torch.ops.qvl.vision_attn(
+    a = ops_for(q.device).vision_attn(
         q, k, v, segments, max_seqlen=max_seqlen, positions=inputs.positions, rope_theta=spec.rope_theta
     )
     a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)

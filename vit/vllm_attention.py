@@ -9,6 +9,10 @@ takes its place through ``MMEncoderAttention.register_oot`` and runs each call a
 only picks the op's tiles: short windows get short tiles), a custom op that torch.compile and CUDA graphs
 take whole.
 
+On a CPU the op runs qvl's torch path (torch's fused attention per run of equal-length segments); where that was
+not measured to beat vLLM's own CPU vision code in the layer's dtype, every layer keeps vLLM's forward by default
+(:mod:`qvl.vit.cpu_path`: the decision, its switch ``QVL_CPU_ROUTES``, one log line).
+
 Layers qvl does not cover keep vLLM's own forward for every call (decided when the layer is built, logged
 once per reason): fp8 attention, k/v with fewer heads than q, head sizes over 256, dtypes other than
 fp16/bf16/fp32, platforms other than CPU and CUDA, and vLLM's FlashInfer backend (its ``cu_seqlens`` are not
@@ -29,9 +33,10 @@ import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 from qvl.kernels.common import FLOAT_DTYPES
 
+from .cpu_path import cpu_route_decision
 from .vllm_routes import count
 
-__all__ = ["QvlEncoderAttention", "install"]
+__all__ = ["QvlEncoderAttention", "cpu_step_aside", "install"]
 
 logger = init_logger("vllm.qvl")
 
@@ -52,6 +57,19 @@ def _layer_mismatch(layer: MMEncoderAttention) -> str | None:
     return None
 
 
+def cpu_step_aside(dtype: torch.dtype) -> str | None:
+    """Why qvl's routes leave vision work in ``dtype`` to vLLM on this CPU (:func:`qvl.vit.cpu_path.cpu_route_decision`,
+    logged once per process whichever way it goes), or None where they take it (any GPU)."""
+    if not current_platform.is_cpu():
+        return None
+    route, reason = cpu_route_decision("vllm", dtype)
+    if route:
+        logger.info_once(f"qvl: routes vLLM's vision work on this CPU: {reason}")
+        return None
+    logger.info_once(f"qvl: steps aside on this CPU, vLLM's own vision code runs: {reason}")
+    return reason
+
+
 class QvlEncoderAttention(MMEncoderAttention):
     """``MMEncoderAttention`` whose forward runs ``torch.ops.qvl.vision_attn`` (see the module docstring for
     what falls back to vLLM's own forward). Output shape and dtype are vLLM's: the query's shape, with the
@@ -69,13 +87,15 @@ class QvlEncoderAttention(MMEncoderAttention):
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, prefix, *args, **kwargs)
         try:
-            self.qvl_fallback_reason = _layer_mismatch(self)
+            mismatch = _layer_mismatch(self)
+            # A CPU step-aside logs its own line (cpu_step_aside), shared with the tower route.
+            self.qvl_fallback_reason = mismatch or cpu_step_aside(self.dtype)
         except Exception as error:  # a layer that differs from what qvl expects must still serve, on vLLM's code
-            self.qvl_fallback_reason = f"a layer qvl does not recognise ({type(error).__name__}: {error})"
+            mismatch = self.qvl_fallback_reason = f"a layer qvl does not recognise ({type(error).__name__}: {error})"
         if self.qvl_fallback_reason is None:
             logger.info_once("qvl: vLLM's encoder attention runs on torch.ops.qvl.vision_attn")
-        else:
-            logger.info_once(f"qvl: vLLM's own encoder attention runs for layers with {self.qvl_fallback_reason}")
+        elif mismatch is not None:
+            logger.info_once(f"qvl: vLLM's own encoder attention runs for layers with {mismatch}")
 
     def _call_mismatch(self, query, key, value, cu_seqlens) -> str | None:
         if self.qvl_fallback_reason is not None:

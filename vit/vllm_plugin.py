@@ -16,6 +16,10 @@ the environment variable ``QVL_VLLM``, read by each process when vLLM loads its 
 * ``attention``: the attention route only (vLLM's own towers, and its own data-parallel split);
 * ``0`` or ``off``: nothing changes in vLLM.
 
+On a CPU both routes also follow :mod:`qvl.vit.cpu_path`: by default they take a model's vision work only where qvl
+was measured faster than vLLM's own CPU code in the model's dtype, else step aside with one log line;
+``QVL_CPU_ROUTES=on`` or ``off`` forces either.
+
 vLLM's own allow-list turns every plugin off or picks some: ``VLLM_PLUGINS=""`` loads none,
 ``VLLM_PLUGINS=qvl`` (with other names, comma-separated) loads only those named.
 

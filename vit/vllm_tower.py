@@ -17,6 +17,9 @@ vLLM's two tensor-parallel encoder modes:
   model with attention's quadratic term, videos split by frame) over vLLM's tensor-parallel group, instead
   of vLLM's greedy split of whole items by patch count; one all-gather returns every rank's features.
 
+On a CPU the tower runs qvl's torch path, and only where :mod:`qvl.vit.cpu_path` says it beats vLLM's own tower in
+the model's dtype (measured; switch ``QVL_CPU_ROUTES``); elsewhere vLLM's tower stays, with one log line.
+
 What stays vLLM's: quantized towers, pipeline stages without the tower, towers whose shape qvl's forward
 does not match (one log line each, at model build), and the encoder CUDA-graph path (calls that bring
 vLLM's precomputed ``encoder_metadata``), whose attention still runs on qvl through the attention route.
@@ -39,6 +42,7 @@ from .families import vllm_architectures as family_architectures
 from .layers import Product
 from .parallel import DataParallel, SingleProcess
 from .runner import TowerRunner, part
+from .vllm_attention import cpu_step_aside
 from .vllm_routes import count, record_tower
 
 __all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "install", "tower_mismatch"]
@@ -155,6 +159,8 @@ def attach(model: nn.Module, vllm_config, family: Family) -> None:
         world_size = get_tensor_model_parallel_world_size()
         split = None if world_size == 1 else ("data" if getattr(model, "use_data_parallel", False) else "weights")
         reason = tower_mismatch(visual, vllm_config, family, split)
+        if reason is None and cpu_step_aside(visual.dtype) is not None:
+            return  # cpu_step_aside logged the one line
         if reason is None:
             forward, compiled = _qvl_forward(visual, vllm_config, family, split)
     except Exception as error:  # a vLLM that differs from what qvl expects must still serve

@@ -45,6 +45,10 @@ The package's modules: :mod:`.config` (launch and tile configuration: the tile t
 descriptors, the work a launch executes), :mod:`.forward` (the forward kernel, its launches, the
 ``vision_attn`` and ``vision_attn_with_lse`` ops, the reference) and :mod:`.backward` (the backward kernels,
 their launches, the ``vision_attn_backward`` op, its reference, and the ops' autograd wiring).
+
+On the torch path (CPU, no interpreter) the op runs :func:`vision_attn_sdpa`: torch's fused
+``scaled_dot_product_attention`` per run of equal-length segments, memory O(S); the reference, which holds every
+segment's fp32 logits, is the tests' oracle (``force_backend("reference")``).
 """
 
 from .backward import vision_attn_backward, vision_attn_backward_launches, vision_attn_backward_reference
@@ -63,7 +67,14 @@ from .config import (
     tile_table,
     tma_capable,
 )
-from .forward import vision_attn, vision_attn_launches, vision_attn_reference, vision_attn_with_lse
+from .forward import (
+    equal_length_runs,
+    vision_attn,
+    vision_attn_launches,
+    vision_attn_reference,
+    vision_attn_sdpa,
+    vision_attn_with_lse,
+)
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -72,6 +83,7 @@ __all__ = [
     "TILE_TABLE_PATH",
     "AttentionWork",
     "backward_launch_config",
+    "equal_length_runs",
     "head_dim_tiles",
     "launch_config",
     "launch_work",
@@ -85,5 +97,6 @@ __all__ = [
     "vision_attn_backward_reference",
     "vision_attn_launches",
     "vision_attn_reference",
+    "vision_attn_sdpa",
     "vision_attn_with_lse",
 ]

@@ -17,13 +17,13 @@ from triton.backends.compiler import GPUTarget
 from ..common import (
     FMA_CONTRACTION,
     KernelLaunch,
-    backend_for,
     check_same_device,
     check_tensor,
     device_target,
     route_autograd,
     rows_16_byte_aligned,
     run_launches,
+    runs_torch,
 )
 from ..rotary import rotary_2d_reference, rotary_launches
 from ..tiles import LOG2E, aligned_stride, last_dim_contiguous
@@ -668,7 +668,7 @@ def vision_attn_backward(
     device-to-host sync on CUDA; ``max_seqlen`` is a tile hint as in the forward.
     """
     _check_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)
-    if backend_for(q.device) == "torch":
+    if runs_torch(q.device):
         return vision_attn_backward_reference(
             grad_out, q, k, v, out, lse, cu_seqlens, softmax_scale, positions, rope_theta
         )

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from ..common import (
     FLOAT_DTYPES,
+    TORCH_BACKENDS,
     KernelLaunch,
     backend_for,
     check_cu_seqlens,
@@ -33,6 +35,7 @@ from ..rotary import (
     rope_cos_sin,
     rope_dim_tables,
     rotary_2d_reference,
+    rotary_2d_torch,
     rotary_launches,
 )
 from ..tiles import aligned_stride
@@ -47,11 +50,13 @@ from .config import (
 
 __all__ = [
     "check_attn_args",
+    "equal_length_runs",
     "load_rows",
     "program_tile",
     "vision_attn",
     "vision_attn_launches",
     "vision_attn_reference",
+    "vision_attn_sdpa",
     "vision_attn_with_lse",
 ]
 
@@ -498,6 +503,56 @@ def vision_attn_reference(
     return _attention_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse=False)[0]
 
 
+def vision_attn_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """The op's torch path: :func:`vision_attn`'s result through torch's fused
+    ``scaled_dot_product_attention``, whose CPU kernel (flash-style: key blocks, online softmax, fp32
+    accumulation) holds no ``S x S`` logits, so memory grows as O(S) where :func:`vision_attn_reference` holds
+    ``H x S^2`` fp32 logits per segment.
+
+    With ``positions`` q and k are rotated once first (:func:`~qvl.kernels.rotary.rotary_2d_torch`). Each run of
+    consecutive segments of one length (a video's frames, a batch of same-size images) is one call, its
+    segments a batch dim of strided views (no copies of q, k, v); empty segments are skipped. Reads
+    ``cu_seqlens`` on the host. Returns a new contiguous ``(T, H, D)`` tensor in q's dtype.
+    """
+    if positions is not None:
+        q, k = rotary_2d_torch(q, k, positions, rope_theta)
+    num_tokens, num_heads, head_dim = q.shape
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    pieces = []
+    for start, length, count in equal_length_runs(cu_seqlens.tolist()):
+        end = start + length * count
+        batch = (x[start:end].view(count, length, num_heads, head_dim).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(*batch, scale=scale)
+        pieces.append(out.transpose(1, 2).reshape(end - start, num_heads, head_dim))
+    if not pieces:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def equal_length_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """The non-empty segments of ``cu_seqlens`` values ``bounds`` as runs of consecutive equal lengths:
+    ``(first token, segment length, segments in the run)``, in token order."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        if length == 0:
+            continue
+        if runs and runs[-1][1] == length:
+            first, _, count = runs[-1]
+            runs[-1] = (first, length, count + 1)
+        else:
+            runs.append((start, length, 1))
+    return runs
+
+
 def _attention_reference(
     q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -607,7 +662,12 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and, ``with_lse``, the log-sum-exp (else None), on the inputs' path."""
     check_attn_args(q, k, v, cu_seqlens, max_seqlen, softmax_scale, positions, rope_theta)
-    if backend_for(q.device) == "torch":
+    backend = backend_for(q.device)
+    # torch's fused attention returns no log-sum-exp through a public API: a training forward on the torch path
+    # takes the reference, which does.
+    if backend == "torch" and not with_lse:
+        return vision_attn_sdpa(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta), None
+    if backend in TORCH_BACKENDS:
         return _attention_reference(q, k, v, cu_seqlens, softmax_scale, positions, rope_theta, with_lse)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _empty_lse(q) if with_lse else None

@@ -4,6 +4,7 @@ import contextlib
 import functools
 import gc
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,11 @@ from qvl.vit.families import config_from_hf
 from qvl.vit.runner import _size_oblivious_tracing
 from tolerance import assert_error_within
 from towers import float64_vision_outputs, hf_vision_model, pixel_values_for, vision_config, vision_outputs
+
+# bench/ is a plain directory run from the repository root, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.harness import cpu_allocation_sizes, peak_tensor_bytes  # noqa: E402
 
 MIXED = [[1, 6, 10], [2, 4, 4], [1, 2, 2]]
 
@@ -129,51 +135,6 @@ def one_intra_op_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def cpu_allocation_sizes(run) -> list[int]:
-    """Bytes of every CPU tensor allocation (positive) and free (negative) during ``run()``, in order, as
-    the profiler records them from the allocator: requested sizes, whatever malloc does underneath."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    events = sorted(
-        (node.start_time_ns, node.extra_fields.alloc_size)
-        for node in walk(prof.profiler.kineto_results.experimental_event_tree())
-        if node.tag == _EventType.Allocation
-    )
-    assert events, "the profiler recorded no allocations"
-    return [size for _, size in events]
-
-
-def peak_tensor_bytes(run, device) -> int:
-    """Most bytes of tensors alive at once during ``run()``, above what was alive when it started.
-
-    On CUDA that is the caching allocator's own peak counter of allocated (not reserved) bytes. On CPU it
-    is the running sum of the allocation and free events (:func:`cpu_allocation_sizes`): resident memory
-    also counts malloc's arenas and fragmentation, which differ between runs by more than the effect
-    measured.
-    """
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    alive = peak = 0
-    for size in cpu_allocation_sizes(run):
-        alive += size
-        peak = max(peak, alive)
-    return peak
 
 
 def test_compiled_peak_memory_not_above_eager(device):

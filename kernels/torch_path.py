@@ -1,0 +1,74 @@
+"""The ops' torch path as plain functions, for code that torch.compile should see through.
+
+On the ``"torch"`` path (:mod:`qvl.kernels.common`: CPU tensors outside Triton's interpreter) each ``torch.ops.qvl``
+op runs plain torch. Called as custom ops they stay opaque to torch.compile, so Inductor could fuse none of their
+elementwise work with the matmuls' neighbours. This module holds the same computations as functions with the ops'
+names, arguments and results, which a compiled caller traces into: :func:`ops_for` hands the tower's layers this
+module on the torch path and ``torch.ops.qvl`` elsewhere. Attention stays a custom op inside the traced code
+(:func:`vision_attn` rotates q and k in traceable torch, then calls ``torch.ops.qvl.vision_attn``, whose torch path
+reads the segment bounds on the host), so a compiled tower still has one graph for every batch shape.
+
+Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU, the position table,
+out-of-place bias + GELU) the torch path is the reference itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch
+
+from .attention.forward import vision_attn_sdpa
+from .common import backend_for
+from .gelu import bias_gelu_reference as bias_gelu
+from .gelu import bias_gelu_torch_ as bias_gelu_
+from .layer_norm import add_layer_norm_torch as add_layer_norm
+from .layer_norm import layer_norm_torch as layer_norm
+from .pos_embed import pos_embed_interp_add_reference as pos_embed_interp_add_
+from .pos_embed import pos_embed_interp_reference as pos_embed_interp
+from .rms_norm import add_rms_norm_reference as add_rms_norm
+from .rms_norm import rms_norm_reference as rms_norm
+from .rotary import rotary_2d_torch as rotary_2d
+from .swiglu import bias_swiglu_reference as bias_swiglu
+
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "bias_gelu",
+    "bias_gelu_",
+    "bias_swiglu",
+    "layer_norm",
+    "ops_for",
+    "pos_embed_interp",
+    "pos_embed_interp_add_",
+    "rms_norm",
+    "rotary_2d",
+    "vision_attn",
+    "vision_attn_sdpa",
+]
+
+
+def vision_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+) -> torch.Tensor:
+    """``torch.ops.qvl.vision_attn`` on the torch path, arguments and result as the op's: with ``positions`` q and k
+    are rotated here (traced, so compiled code fuses the rotation), then the op attends
+    (:func:`~qvl.kernels.attention.forward.vision_attn_sdpa`) without rotating again."""
+    if positions is not None:
+        q, k = rotary_2d(q, k, positions, rope_theta)
+    return torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale)
+
+
+def ops_for(device: torch.device) -> ModuleType | torch._ops._OpNamespace:
+    """Where the towers' layers find qvl's ops for tensors on ``device``: this module on the ``"torch"`` path, else
+    ``torch.ops.qvl`` (Triton kernels, or the references when ``"reference"`` is forced). torch.compile traces the
+    choice, guarding on a forced path."""
+    return sys.modules[__name__] if backend_for(device) == "torch" else torch.ops.qvl
