@@ -4,9 +4,9 @@ reported by SGLang's scheduler process show where qvl ran. Two engine starts (45
 the Triton kernels through the interpreter, and qvl's switch off (SGLang alone, the baseline)."""
 
 import pytest
-from sglang_checkpoint import make_qwen3_vl
 
 from engine import run_engine
+from sglang_checkpoint import make_qwen3_vl
 
 pytestmark = pytest.mark.xdist_group("sglang_engine")
 
