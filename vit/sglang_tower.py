@@ -10,15 +10,18 @@ the norms, the MLP's fused activation and the mergers on qvl's ops.
 SGLang's encoder modes:
 
 * one rank: the tower runs in the scheduler process as above;
+* tensor parallel (weights split over the ranks): the tower keeps SGLang's sharded linears (each rank's heads and
+  widths) and sums the row-parallel products (attention out, MLP out, merger fc2) with an all-reduce over SGLang's
+  attention tensor-parallel group; SGLang splits the position table by rows, so each forward all-gathers it
+  (2304 x 1152 in Qwen3-VL: small next to the tower's activations);
 * ``--mm-enable-dp-encoder`` (replicated tower weights over the tensor-parallel group): the batch is split by qvl's
   balancer (:mod:`qvl.vit.balance`: a cost model with attention's quadratic term, videos split by frame) instead of
   SGLang's greedy split of whole items, and one all-gather returns every rank's features. The model then hands
   the whole batch to the tower.
 
-What stays SGLang's (one log line each, when the model is loaded): towers whose weights are split over ranks
-(tensor parallel without the DP encoder: SGLang shards the position table by rows), quantized towers, towers
-whose shape qvl's forward does not match, and the ViT CUDA-graph path (``SGLANG_VIT_ENABLE_CUDA_GRAPH``), whose
-attention still runs on qvl through the attention route.
+What stays SGLang's (one log line each, when the model is loaded): quantized towers, towers whose shape qvl's
+forward does not match, and the ViT CUDA-graph path (``SGLANG_VIT_ENABLE_CUDA_GRAPH``), whose attention still runs
+on qvl through the attention route.
 """
 
 from __future__ import annotations
@@ -47,9 +50,7 @@ CUDA_GRAPH_SWITCH = "SGLANG_VIT_ENABLE_CUDA_GRAPH"
 
 
 def _split(model: nn.Module) -> str | None:
-    from sglang.srt.runtime_context import get_parallel
-
-    if get_parallel().attn_tp_size == 1:
+    if _attn_tp_group().world_size == 1:
         return None
     return "data" if getattr(model, "use_data_parallel", False) else "weights"
 
@@ -61,8 +62,6 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
     visual = getattr(model, "visual", None)
     if visual is None:
         return "the model has no vision tower in this process"
-    if split == "weights":
-        return "its weights are split over ranks (qvl runs SGLang's towers on one rank or with --mm-enable-dp-encoder)"
     if os.environ.get(CUDA_GRAPH_SWITCH, "").strip().lower() in ("1", "true", "yes", "on"):
         return f"{CUDA_GRAPH_SWITCH} (SGLang's ViT CUDA graphs run its own tower forward)"
     names = family.sglang_names or family.names
@@ -91,13 +90,15 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
     norms += [part(merger, names.merger_norm) for merger in mergers]
     if not all(type(norm) is nn.LayerNorm for norm in norms):
         return "norms other than torch's LayerNorm"
-    if visual.pos_embed.weight.shape[0] != config.num_position_embeddings:
-        return "a position table split over ranks"
+    ranks = _attn_tp_group().world_size if split == "weights" else 1
+    if visual.pos_embed.weight.shape[0] * ranks < config.num_position_embeddings:
+        return f"a position table of {visual.pos_embed.weight.shape[0]} rows on each of {ranks} ranks"
     heads = visual.blocks[0].attn.num_attention_heads_per_partition
     head_dim = visual.blocks[0].attn.head_size
     rope = visual.rotary_pos_emb
-    if heads != config.num_heads or head_dim != config.head_dim:
-        return f"{heads} heads of {head_dim} where the config says {config.num_heads} of {config.head_dim}"
+    if heads * ranks != config.num_heads or head_dim != config.head_dim:
+        expected = f"{config.num_heads} of {config.head_dim}"
+        return f"{heads} heads of {head_dim} on each of {ranks} ranks where the config says {expected}"
     if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or rope.base != config.rope_theta:
         return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, base {rope.base})"
     if visual.patch_embed.proj.weight.dim() != 5:
@@ -133,16 +134,52 @@ def attach(model: nn.Module, hf_config, family: Family, routes: RouteLog) -> str
 def _qvl_forward(model: nn.Module, hf_config, family: Family, split: str | None, routes: RouteLog):
     visual = model.visual
     _, config = config_from_hf(hf_config)
+    names = family.sglang_names or family.names
+    tree, all_reduce = visual, None
     if split == "data":
-        from sglang.srt.runtime_context import get_parallel
-
-        group = get_parallel().attn_tp_group
+        group = _attn_tp_group()
         # Features travel over the device group, the per-call batch check over SGLang's gloo twin of it.
         strategy = DataParallel(config, group.device_group, host_group=group.cpu_group)
     else:
         strategy = SingleProcess(config)
-    runner = TowerRunner(visual, config, family.sglang_names or family.names, linear=_linear_parts)
+    if split == "weights":
+        group = _attn_tp_group()
+        tree, all_reduce = _weights_split_tree(visual, names, config, group), group.all_reduce
+    num_heads = visual.blocks[0].attn.num_attention_heads_per_partition
+    runner = TowerRunner(tree, config, names, num_heads=num_heads, all_reduce=all_reduce, linear=_linear_parts)
     return QvlTowerForward(visual, runner, strategy, routes)
+
+
+def _attn_tp_group():
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_group
+
+
+class _GatheredPositionTable(nn.Module):
+    """SGLang's row-split position table (a ``VocabParallelEmbedding``), read whole: ``weight`` all-gathers every
+    rank's rows in rank order, which is the table's order (padding rows, if any, sit at the end)."""
+
+    def __init__(self, pos_embed: nn.Module, group, num_positions: int):
+        super().__init__()
+        self.shard = pos_embed
+        self.group = group
+        self.num_positions = num_positions
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.group.all_gather(self.shard.weight, dim=0)[: self.num_positions]
+
+
+def _weights_split_tree(visual: nn.Module, names, config, group) -> nn.Module:
+    """The module tree the runner reads when SGLang splits the tower's weights: SGLang's own modules (not copies),
+    with the position table read whole."""
+    tree = nn.Module()
+    tree.patch_embed, tree.blocks, tree.merger = visual.patch_embed, visual.blocks, visual.merger
+    tree.pos_embed = _GatheredPositionTable(visual.pos_embed, group, config.num_position_embeddings)
+    if config.deepstack_visual_indexes:
+        setattr(tree, names.deepstack_mergers, part(visual, names.deepstack_mergers))
+    return tree
 
 
 class QvlTowerForward:

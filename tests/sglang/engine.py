@@ -66,19 +66,23 @@ def write_video(path: str) -> str:
     return path
 
 
-def run_engine(model_dir, *, dtype: str, env: dict, timeout: float = 400) -> dict:
+def run_engine(model_dir, *, dtype: str, env: dict, tp: int = 1, dp_encoder: bool = False, timeout: float = 400) -> dict:
     """Runs this script with the current interpreter in a subprocess (its own process group, killed whole on a
     timeout) and returns its JSON; ``env`` goes on top of this process's environment, with tests/sglang first on
-    ``PYTHONPATH``. A failure raises ``RuntimeError`` with the ends of the script's stdout and stderr."""
+    ``PYTHONPATH``. ``tp=2`` binds one core to each rank (``SGLANG_CPU_OMP_THREADS_BIND``: SGLang's CPU ranks
+    default to one NUMA node each); ``dp_encoder``: ``--mm-enable-dp-encoder``. A failure raises ``RuntimeError``
+    with the ends of the script's stdout and stderr."""
     with tempfile.TemporaryDirectory(prefix="qvl-sglang-") as tmp:
         child_env = dict(os.environ)
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
         child_env["QVL_TEST_REPORT_DIR"] = os.path.join(tmp, "reports")
         os.makedirs(child_env["QVL_TEST_REPORT_DIR"])
+        if tp == 2:
+            child_env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
         child_env.update(env)
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--model", os.fspath(model_dir), "--dtype", dtype]
-        command += ["--out", out]
+        command += ["--out", out, "--tp", str(tp)] + ["--dp-encoder"] * dp_encoder
         proc = subprocess.Popen(
             command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint directory (tests/sglang/sglang_checkpoint.py)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tp", type=int, default=1, help="tp_size")
+    parser.add_argument("--dp-encoder", action="store_true", help="mm_enable_dp_encoder: the tower's batch split")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     args = parser.parse_args(argv)
 
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
         context_length=1024,
         random_seed=0,
         log_level="info",
+        tp_size=args.tp,
+        mm_enable_dp_encoder=args.dp_encoder,
     )
     load_s = time.perf_counter() - start
     try:

@@ -59,7 +59,12 @@ def _report_routes(directory: str) -> None:
         while True:
             plugin = sys.modules.get("qvl.vit.sglang_plugin")
             if plugin is not None:
-                report = {"pid": os.getpid(), "counts": plugin.route_counts(), "state": plugin.state()}
+                report = {
+                    "pid": os.getpid(),
+                    "counts": plugin.route_counts(),
+                    "state": plugin.state(),
+                    "towers": plugin.towers(),
+                }
                 if report != last:
                     path = os.path.join(directory, f"{os.getpid()}.json")
                     with open(path + ".tmp", "w", encoding="utf-8") as f:

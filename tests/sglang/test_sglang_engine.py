@@ -1,7 +1,8 @@
 """qvl inside SGLang's engine on the CPU: a tiny random Qwen3-VL (tests/sglang/sglang_checkpoint.py) serving one
 image, two images in one prompt and a video, in fp32, with greedy tokens identical to SGLang alone; the route counts
-reported by SGLang's scheduler process show where qvl ran. Two engine starts (45-90 s each on 2 cores): qvl on, with
-the Triton kernels through the interpreter, and qvl's switch off (SGLang alone, the baseline)."""
+reported by SGLang's scheduler processes show where qvl ran. Four engine starts (45-90 s each on 2 cores), the Triton
+kernels through the interpreter: qvl's switch off (SGLang alone, the baseline), qvl on one rank, and qvl on two
+ranks with the tower's weights split and with SGLang's data-parallel encoder."""
 
 import pytest
 
@@ -50,3 +51,21 @@ def test_qvl_gives_sglang_tokens(checkpoint, baseline):
     assert scheduler["counts"]["tower"] >= 2 and scheduler["counts"]["tower_fallback"] == 0
     assert "vision attention -> torch.ops.qvl.vision_attn in 3 layers" in result["log"]
     assert "vision tower on qvl" in result["log"]
+
+
+@pytest.mark.parametrize("dp_encoder", [False, True], ids=["weights", "dp_encoder"])
+def test_qvl_on_two_ranks(checkpoint, baseline, dp_encoder):
+    """Two tensor-parallel ranks: the tower's weights split over them (qvl's runner with SGLang's sharded linears and
+    an all-reduce), or replicated with SGLang's data-parallel encoder (qvl's balancer splits the batch). Tokens are
+    compared with the one-rank baseline: fp32 and decisive random weights leave the text model's split rounding
+    far from any greedy tie."""
+    result = run_engine(checkpoint, dtype="float32", env={"TRITON_INTERPRET": "1"}, tp=2, dp_encoder=dp_encoder)
+    assert result["tokens"] == baseline["tokens"]
+    schedulers = scheduler_reports(result)
+    assert len(schedulers) == 2
+    for scheduler in schedulers:
+        assert scheduler["state"]["models"][0]["tower"] == "qvl"
+        assert scheduler["towers"] == [
+            {"model": "Qwen3VLForConditionalGeneration", "split": "data" if dp_encoder else "weights"}
+        ]
+        assert scheduler["counts"]["tower"] >= 2 and scheduler["counts"]["tower_fallback"] == 0
