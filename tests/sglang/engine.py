@@ -66,7 +66,7 @@ def write_video(path: str) -> str:
     return path
 
 
-def run_engine(model_dir, *, dtype: str, env: dict, tp: int = 1, dp_encoder: bool = False, timeout: float = 400) -> dict:
+def run_engine(model_dir, *, dtype: str, env: dict, tp: int = 1, dp_encoder: bool = False, timeout: float = 400):
     """Runs this script with the current interpreter in a subprocess (its own process group, killed whole on a
     timeout) and returns its JSON; ``env`` goes on top of this process's environment, with tests/sglang first on
     ``PYTHONPATH``. ``tp=2`` binds one core to each rank (``SGLANG_CPU_OMP_THREADS_BIND``: SGLang's CPU ranks
