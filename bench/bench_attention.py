@@ -2,7 +2,8 @@
 
 Peers, each skipped with its reason where it cannot run: torch's ``varlen_attn`` (PyTorch's own
 FlashAttention), ``flex_attention`` compiled with a per-image block mask, SDPA called once per image
-(transformers' path when flash-attn is absent), and flash-attn's ``flash_attn_varlen_func``. qvl also
+(transformers' path when flash-attn is absent), flash-attn's ``flash_attn_varlen_func``, and SGLang's
+``triton_attn`` ViT backend (``context_attention_fwd``, where sglang imports; CUDA only). qvl also
 runs with its fused rotary (``positions=``: q rotated in the kernel, k by one rotary pass) and with
 ``rotary_2d`` on q and k before it, to show what rope costs each way.
 
@@ -129,6 +130,25 @@ def flash_attn_varlen(device: Device) -> Bind:
     return lambda x: lambda: op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
 
 
+def sglang_triton_attn(device: Device) -> Bind:
+    """SGLang's ``triton_attn`` ViT backend as ``VisionTritonAttention`` calls it: non-causal
+    ``context_attention_fwd`` with each segment's start and length."""
+    harness.require_cuda(device)
+    from sglang.kernels.ops.attention.prefill_attention import context_attention_fwd
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        starts, lengths = x.cu_seqlens[:-1], x.cu_seqlens.diff()
+        out = torch.empty_like(x.q)
+
+        def call() -> torch.Tensor:
+            context_attention_fwd(x.q, x.k, x.v, out, starts, lengths, x.max_seqlen, is_causal=False)
+            return out
+
+        return call
+
+    return bind
+
+
 # Eager create_block_mask materializes the whole T x T mask (about 10 bytes per query-key pair at its peak,
 # measured on CPU with torch 2.13: 228 GB for bench_window's 147k-token batch); compiled, it evaluates the mask block
 # by block in little memory but compiles once per shape. Eager up to 2**30 pairs (32k tokens, ~11 GB).
@@ -196,6 +216,7 @@ PEERS: dict[str, Callable[[Device], Bind]] = {
     "flex_attention": flex_attention,
     "sdpa/image": sdpa_per_image,
     "flash_attn": flash_attn_varlen,
+    "sglang/triton_attn": sglang_triton_attn,
 }
 BASELINES = ("varlen_attn", "sdpa/image")  # sdpa/image stands in where varlen_attn cannot run (CPU)
 
@@ -237,6 +258,8 @@ def run_cases(report: Report, peers: dict[str, Bind], config: RunConfig, run=run
     with the notes the peers that ran need; returns ``report``."""
     if "flash_attn" in peers:
         report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
+    if "sglang/triton_attn" in peers:
+        report.meta["sglang"] = importlib.metadata.version("sglang")
     if "flex_attention" in peers:
         report.notes.append("flex_attention: head dim padded to a power of two; block mask built outside the timing")
     for case in cases(config.device, config.quick):
