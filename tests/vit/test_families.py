@@ -23,7 +23,12 @@ def toy_family():
     test."""
     qwen3_vl = families.family_of("qwen3_vl")
     toy = dataclasses.replace(
-        qwen3_vl, name="Toy-VL", model_types=("toy_vl",), vision_model_types=("toy_vl_vision",), vllm_architectures={}
+        qwen3_vl,
+        name="Toy-VL",
+        model_types=("toy_vl",),
+        vision_model_types=("toy_vl_vision",),
+        vllm_architectures={},
+        sglang_architectures=(),
     )
     families.register(toy)
     yield toy
