@@ -7,8 +7,11 @@ import pytest
 
 from qvl.vit import sglang_plugin
 
+# A spec without origin is the tests/sglang folder, seen as a namespace package (tests/ is on sys.path).
+_SGLANG = importlib.util.find_spec("sglang")
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here: tests/sglang")
+
+@pytest.mark.skipif(_SGLANG is not None and _SGLANG.origin is not None, reason="SGLang is installed: tests/sglang")
 def test_register_without_sglang_changes_nothing(monkeypatch):
     monkeypatch.setattr(sglang_plugin, "_state", {"mode": None, "hooked": False, "reason": None, "models": []})
     monkeypatch.delenv(sglang_plugin.SWITCH, raising=False)
