@@ -59,8 +59,9 @@ QWEN3_VL_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "norm", "linear_fc1"
 QWEN3_OMNI_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "ln_q", "mlp.0", "mlp.2", "merger_list")
 QWEN2_5_VL_NAMES = ModuleNames(("gate_proj", "up_proj"), "down_proj", "ln_q", "mlp.0", "mlp.2")
 QWEN2_VL_NAMES = ModuleNames(("fc1",), "fc2", "ln_q", "mlp.0", "mlp.2")
-# SGLang's Qwen3-VL towers (one class for Qwen3-VL, -MoE, Qwen3.5 and Qwen3.5-MoE) call the stacked q/k/v linear
-# of their VisionAttention qkv_proj.
+# vLLM and SGLang stack Qwen2.5-VL's gate and up into one linear.
+STACKED_QWEN2_5_VL_NAMES = dataclasses.replace(QWEN2_5_VL_NAMES, mlp_in=("gate_up_proj",))
+# SGLang's towers call the stacked q/k/v linear of their VisionAttention layers qkv_proj.
 SGLANG_QWEN3_VL_NAMES = dataclasses.replace(QWEN3_VL_NAMES, attn_qkv="attn.qkv_proj")
 
 
@@ -187,8 +188,9 @@ FAMILIES: list[Family] = [
         QWEN2_VL_PROCESSING,
         config_options={"windowed": True},
         vllm_architectures={"Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl"},
-        # vLLM stacks gate and up into one linear.
-        vllm_names=dataclasses.replace(QWEN2_5_VL_NAMES, mlp_in=("gate_up_proj",)),
+        vllm_names=STACKED_QWEN2_5_VL_NAMES,
+        sglang_architectures=("Qwen2_5_VLForConditionalGeneration",),
+        sglang_names=dataclasses.replace(STACKED_QWEN2_5_VL_NAMES, attn_qkv="attn.qkv_proj"),
     ),
     Family(
         "Qwen2-VL",
@@ -199,6 +201,8 @@ FAMILIES: list[Family] = [
         QWEN2_VL_PROCESSING,
         config_options={"windowed": False},
         vllm_architectures={"Qwen2VLForConditionalGeneration": "vllm.model_executor.models.qwen2_vl"},
+        sglang_architectures=("Qwen2VLForConditionalGeneration",),
+        sglang_names=dataclasses.replace(QWEN2_VL_NAMES, attn_qkv="attn.qkv_proj"),
     ),
 ]
 # A config.json without any model_type is read as a bare Qwen3-VL vision config.

@@ -6,10 +6,10 @@ builds a model, and :func:`register` hooks the function SGLang's model runner lo
 once the model is built and its weights are loaded, :func:`apply`
 
 * gives every ``VisionAttention`` layer (the ViT attention of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
-  InternVL, Idefics2, Pixtral and others) qvl's backend, ``torch.ops.qvl.vision_attn`` (:mod:`qvl.vit.sglang_attention`), with the
-  backend SGLang chose kept for what qvl does not take;
-* and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE on qvl's tower forward over
-  SGLang's own modules and loaded weights (:mod:`qvl.vit.sglang_tower`).
+  InternVL, Idefics2, Pixtral and others) qvl's backend, ``torch.ops.qvl.vision_attn``
+  (:mod:`qvl.vit.sglang_attention`), with the backend SGLang chose kept for what qvl does not take;
+* and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, Qwen2.5-VL and Qwen2-VL on qvl's
+  tower forward over SGLang's own modules and loaded weights (:mod:`qvl.vit.sglang_tower`).
 
 One log line in each scheduler says which routes are active and why any fell back. The switch is the environment
 variable ``QVL_SGLANG``, with the values of vLLM's ``QVL_VLLM``:

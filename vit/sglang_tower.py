@@ -1,19 +1,20 @@
 """SGLang's vision towers of qvl's families on qvl's tower runner.
 
 For a loaded SGLang model of an architecture a family declares (:mod:`qvl.vit.families`: Qwen3-VL, Qwen3-VL-MoE,
-Qwen3.5 and Qwen3.5-MoE, whose towers are all SGLang's ``Qwen3VLMoeVisionModel``), :func:`attach` sets the tower
-instance's ``forward`` to :class:`QvlTowerForward`, which runs :class:`qvl.vit.runner.TowerRunner` over SGLang's
-own modules and the weights SGLang loaded into them (nothing is copied): host metadata once per batch, then the
-patch embed, the position-embedding kernel, the blocks with rotary fused into attention and residual fused into
-the norms, the MLP's fused activation and the mergers on qvl's ops.
+Qwen3.5 and Qwen3.5-MoE, whose towers are all SGLang's ``Qwen3VLMoeVisionModel``; Qwen2.5-VL and Qwen2-VL),
+:func:`attach` sets the tower instance's ``forward`` to :class:`QvlTowerForward`, which runs
+:class:`qvl.vit.runner.TowerRunner` over SGLang's own modules and the weights SGLang loaded into them (nothing is
+copied): host metadata once per batch (Qwen2.5-VL's windows too), then the patch embed, the position-embedding
+kernel, the blocks with rotary fused into attention and residual fused into the norms, the MLP's fused activation
+(SwiGLU over SGLang's stacked gate_up) and the mergers on qvl's ops.
 
 SGLang's encoder modes:
 
 * one rank: the tower runs in the scheduler process as above;
 * tensor parallel (weights split over the ranks): the tower keeps SGLang's sharded linears (each rank's heads and
   widths) and sums the row-parallel products (attention out, MLP out, merger fc2) with an all-reduce over SGLang's
-  attention tensor-parallel group; SGLang splits the position table by rows, so each forward all-gathers it
-  (2304 x 1152 in Qwen3-VL: small next to the tower's activations);
+  attention tensor-parallel group; SGLang splits Qwen3-VL's position table by rows, so each forward all-gathers it
+  (2304 x 1152: small next to the tower's activations);
 * ``--mm-enable-dp-encoder`` (replicated tower weights over the tensor-parallel group): the batch is split by qvl's
   balancer (:mod:`qvl.vit.balance`: a cost model with attention's quadratic term, videos split by frame) instead of
   SGLang's greedy split of whole items, and one all-gather returns every rank's features. The model then hands
@@ -66,12 +67,15 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
         return f"{CUDA_GRAPH_SWITCH} (SGLang's ViT CUDA graphs run its own tower forward)"
     names = family.sglang_names or family.names
     _, config = config_from_hf(hf_config)
+    # A learned position table marks Qwen3-VL's tower kind (mergers norm before or after the merge, deepstack,
+    # SGLang's get_rope); Qwen2.5-VL's and Qwen2-VL's have none (an inv_freq rotary).
+    qwen3_kind = config.num_grid_per_side is not None
     linears = [names.attn_qkv, "attn.proj", *(f"mlp.{name}" for name in (*names.mlp_in, names.mlp_out))]
     mergers = [visual.merger]
     if config.deepstack_visual_indexes:
         mergers += list(part(visual, names.deepstack_mergers))
     try:
-        checks = [(visual, ["patch_embed.proj.weight", "pos_embed.weight", "rotary_pos_emb"])]
+        checks = [(visual, ["patch_embed.proj.weight", "rotary_pos_emb", *["pos_embed.weight"] * qwen3_kind])]
         checks += [(block, ["norm1.weight", "norm2.weight", *linears]) for block in visual.blocks]
         checks += [(merger, [names.merger_norm, names.merger_fc1, names.merger_fc2]) for merger in mergers]
         for module, paths in checks:
@@ -88,21 +92,26 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
         return f"linears with weights other than plain ones ({', '.join(sorted(methods))})"
     norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
     norms += [part(merger, names.merger_norm) for merger in mergers]
-    if not all(type(norm) is nn.LayerNorm for norm in norms):
-        return "norms other than torch's LayerNorm"
+    if not all(type(norm) is nn.LayerNorm or hasattr(norm, "variance_epsilon") for norm in norms):
+        return "norms other than torch's LayerNorm or an RMSNorm"
     ranks = _attn_tp_group().world_size if split == "weights" else 1
-    if visual.pos_embed.weight.shape[0] * ranks < config.num_position_embeddings:
-        return f"a position table of {visual.pos_embed.weight.shape[0]} rows on each of {ranks} ranks"
     heads = visual.blocks[0].attn.num_attention_heads_per_partition
     head_dim = visual.blocks[0].attn.head_size
-    rope = visual.rotary_pos_emb
     if heads * ranks != config.num_heads or head_dim != config.head_dim:
         expected = f"{config.num_heads} of {config.head_dim}"
         return f"{heads} heads of {head_dim} on each of {ranks} ranks where the config says {expected}"
-    if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or rope.base != config.rope_theta:
-        return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, base {rope.base})"
     if visual.patch_embed.proj.weight.dim() != 5:
         return "a patch embedding that is not a Conv3d weight"
+    if not qwen3_kind:
+        frequencies = visual.rotary_pos_emb.inv_freq.numel()
+        if frequencies != head_dim // 4:
+            return f"a rotary embedding of {frequencies} frequencies where the 2D one qvl fuses has {head_dim // 4}"
+        return None
+    if visual.pos_embed.weight.shape[0] * ranks < config.num_position_embeddings:
+        return f"a position table of {visual.pos_embed.weight.shape[0]} rows on each of {ranks} ranks"
+    rope = visual.rotary_pos_emb
+    if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or rope.base != config.rope_theta:
+        return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, base {rope.base})"
     if visual.merger.use_postshuffle_norm or not all(merger.use_postshuffle_norm for merger in mergers[1:]):
         return "mergers that norm in another order than Qwen3-VL's"
     if getattr(visual, "disable_merger_proj", False):
@@ -144,7 +153,9 @@ def _qvl_forward(model: nn.Module, hf_config, family: Family, split: str | None,
         strategy = SingleProcess(config)
     if split == "weights":
         group = _attn_tp_group()
-        tree, all_reduce = _weights_split_tree(visual, names, config, group), group.all_reduce
+        all_reduce = group.all_reduce
+        if config.num_grid_per_side is not None:
+            tree = _weights_split_tree(visual, names, config, group)
     num_heads = visual.blocks[0].attn.num_attention_heads_per_partition
     runner = TowerRunner(tree, config, names, num_heads=num_heads, all_reduce=all_reduce, linear=_linear_parts)
     return QvlTowerForward(visual, runner, strategy, routes)
@@ -183,11 +194,12 @@ def _weights_split_tree(visual: nn.Module, names, config, group) -> nn.Module:
 
 
 class QvlTowerForward:
-    """The ``forward`` of an SGLang ``Qwen3VLMoeVisionModel`` instance, on qvl.
+    """The ``forward`` of an SGLang vision tower instance of a qvl family, on qvl.
 
     ``forward(x, grid_thw)``: ``x`` the processor's ``(T, in_channels * temporal_patch_size * patch_size**2)``
     patches in merge-block order, ``grid_thw`` ``(N, 3)`` (a CPU tensor or list). Returns SGLang's layout:
-    ``(T / m^2, out_hidden_size * (1 + len(deepstack)))``, the main merger's features then each deepstack merger's.
+    ``(T / m^2, out_hidden_size * (1 + len(deepstack)))``, the main merger's features then each deepstack merger's
+    (the merger's alone for towers without deepstack), in the input's order.
     """
 
     def __init__(self, visual: nn.Module, runner: TowerRunner, strategy, routes: RouteLog):
