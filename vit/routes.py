@@ -4,12 +4,21 @@ the engines' test helpers read them in the engine's worker processes, where the 
 
 from __future__ import annotations
 
+import os
 import threading
 
-__all__ = ["ROUTES", "RouteLog"]
+__all__ = ["ROUTES", "SWITCH_MODES", "RouteLog", "switch_mode"]
 
 # The routes a log counts: calls taken by qvl, and calls left to the engine's own code.
 ROUTES = ("attention", "attention_fallback", "tower", "tower_fallback")
+# An engine plugin's switch (QVL_VLLM, QVL_SGLANG): its values -> the routes it turns on.
+SWITCH_MODES = {"": "all", "1": "all", "all": "all", "on": "all", "attention": "attention", "0": "off", "off": "off"}
+
+
+def switch_mode(variable: str) -> str | None:
+    """The mode an engine plugin's switch, the environment variable ``variable``, asks for (``"all"``,
+    ``"attention"`` or ``"off"``; unset is ``"all"``), or None for a value that is not one of :data:`SWITCH_MODES`."""
+    return SWITCH_MODES.get(os.environ.get(variable, "").strip().lower())
 
 
 class RouteLog:

@@ -30,13 +30,12 @@ from __future__ import annotations
 import logging
 import os
 
-from .routes import RouteLog
+from .routes import SWITCH_MODES, RouteLog, switch_mode
 
 __all__ = ["SWITCH", "TESTED_SGLANG_VERSIONS", "apply", "register", "route_counts", "state", "towers"]
 
 SWITCH = "QVL_SGLANG"
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
-_MODES = {"": "all", "1": "all", "all": "all", "on": "all", "attention": "attention", "0": "off", "off": "off"}
 # The function whose result (the loaded model, as ``.model``) the routes are applied to: every model a scheduler's
 # model runner loads (the draft model of speculative decoding too) comes through it.
 MODEL_LOADER = "sglang.srt.model_executor.model_runner_components.load_model_utils.load_model_with_memory_saver"
@@ -57,20 +56,16 @@ def state() -> dict:
     return {**_state, "models": [dict(model) for model in _state["models"]]}
 
 
-def _mode() -> str | None:
-    return _MODES.get(os.environ.get(SWITCH, "").strip().lower())
-
-
 def register() -> None:
     """SGLang's plugin hook (entry point ``qvl`` in group ``sglang.srt.plugins``): hook the model loader in this
     process according to ``QVL_SGLANG``. Safe to call more than once; never raises."""
     if _state["mode"] is not None:
         return
-    mode = _mode()
+    mode = switch_mode(SWITCH)
     if mode is None:
         _state.update(mode="off", reason=f"unknown {SWITCH}={os.environ[SWITCH]!r}")
         logger.warning(
-            "qvl: %s=%r is not one of %s; qvl leaves SGLang unchanged", SWITCH, os.environ[SWITCH], sorted(_MODES)
+            "qvl: %s=%r is not one of %s; qvl leaves SGLang unchanged", SWITCH, os.environ[SWITCH], sorted(SWITCH_MODES)
         )
         return
     _state["mode"] = mode
@@ -100,7 +95,7 @@ def apply(model, hf_config=None) -> dict:
     SGLang's code and is logged."""
     from . import sglang_attention, sglang_tower
 
-    mode = _state["mode"] or _mode() or "off"
+    mode = _state["mode"] or switch_mode(SWITCH) or "off"
     done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None}
     try:
         done["attention_layers"], done["attention_left"] = sglang_attention.attach(model, _routes)
