@@ -11,8 +11,10 @@ once the model is built and its weights are loaded, :func:`apply`
 * and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, Qwen2.5-VL and Qwen2-VL on qvl's
   tower forward over SGLang's own modules and loaded weights (:mod:`qvl.vit.sglang_tower`).
 
-One log line in each scheduler says which routes are active and why any fell back. The switch is the environment
-variable ``QVL_SGLANG``, with the values of vLLM's ``QVL_VLLM``:
+On a CPU the routes run qvl's torch path, and only where it was measured to beat SGLang's own CPU vision code:
+elsewhere they step aside (:mod:`qvl.vit.cpu_path`, whose ``QVL_CPU_ROUTES`` forces either way). One log line in
+each scheduler says which routes are active and why any fell back. The switch is the environment variable
+``QVL_SGLANG``, with the values of vLLM's ``QVL_VLLM``:
 
 * unset, ``1`` or ``all``: both routes;
 * ``attention``: the attention route only (SGLang's own towers, and its own data-parallel split);
@@ -51,8 +53,9 @@ _state: dict = {"mode": None, "hooked": False, "reason": None, "models": []}
 def state() -> dict:
     """What the plugin did in this process: the switch's ``mode``, whether the model loader is ``hooked``, the
     ``reason`` when it left SGLang unchanged, and per model it applied to (``models``): its class, the
-    ``attention_layers`` qvl took, ``attention_left`` (reason -> layers left to SGLang's backend), and ``tower``
-    (``"qvl"``, or the reason SGLang's tower runs, or None for a model of no qvl family)."""
+    ``attention_layers`` qvl took, ``attention_left`` (reason -> layers left to SGLang's backend; -1: all of them),
+    ``tower`` (``"qvl"``, or the reason SGLang's tower runs, or None for a model of no qvl family) and ``cpu`` (why qvl
+    stepped aside on a CPU, :mod:`qvl.vit.cpu_path`; None where it did not)."""
     return {**_state, "models": [dict(model) for model in _state["models"]]}
 
 
@@ -96,12 +99,20 @@ def apply(model, hf_config=None) -> dict:
     from . import sglang_attention, sglang_tower
 
     mode = _state["mode"] or switch_mode(SWITCH) or "off"
-    done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None}
+    done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None, "cpu": None}
+    family = sglang_tower.ARCHITECTURES.get(type(model).__name__)
+    aside = f"{SWITCH}={mode}" if mode == "off" else _cpu_step_aside(model)
+    if aside is not None:
+        done["attention_left"] = {aside: -1}
+        done["tower"] = None if family is None else aside
+        done["cpu"] = aside if mode != "off" else None
+        _state["models"].append(done)
+        logger.info("qvl: SGLang's own vision code runs for %s (pid %d): %s", done["model"], os.getpid(), aside)
+        return done
     try:
         done["attention_layers"], done["attention_left"] = sglang_attention.attach(model, _routes)
     except Exception as error:
         done["attention_left"] = {f"{type(error).__name__}: {error}": -1}
-    family = sglang_tower.ARCHITECTURES.get(type(model).__name__)
     if family is not None:
         if mode != "all":
             done["tower"] = f"{SWITCH}={mode}"
@@ -112,6 +123,18 @@ def apply(model, hf_config=None) -> dict:
     _state["models"].append(done)
     _log(done, mode)
     return done
+
+
+def _cpu_step_aside(model) -> str | None:
+    """Why qvl leaves a model on a CPU to SGLang's own vision code (:func:`qvl.vit.cpu_path.cpu_route_decision`), or
+    None where its routes run (any GPU, or a CPU where they were measured to win)."""
+    from .cpu_path import cpu_route_decision
+
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu":
+        return None
+    route, reason = cpu_route_decision("sglang", parameter.dtype)
+    return None if route else f"on this CPU: {reason}"
 
 
 def _log(done: dict, mode: str) -> None:

@@ -45,6 +45,7 @@ def test_qvl_gives_sglang_tokens(checkpoint, baseline):
         "attention_layers": 3,
         "attention_left": {},
         "tower": "qvl",
+        "cpu": None,
     }
     # Images and videos are encoded by separate tower calls (how SGLang groups requests into calls depends on
     # timing); none was left to SGLang.

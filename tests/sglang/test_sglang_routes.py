@@ -244,3 +244,32 @@ def test_qwen2_family_towers_match_sglang_and_float64(name):
     out = outputs(model, pixel_values, QWEN2_GRID)
     assert sglang_plugin.route_counts()["tower"] == before + 1
     assert_error_within(out, truth, baseline, what=f"SGLang's {name} tower on qvl")
+
+
+def test_routes_step_aside_on_a_cpu_where_qvl_was_not_measured_faster(monkeypatch):
+    """qvl.vit.cpu_path's default: SGLang's own vision code runs on a CPU unless qvl's route was measured to win."""
+    from qvl.vit import cpu_path
+
+    hf_vision = hf_vision_model(seed=5, **SIZES)
+    model = sglang_model_of(hf_vision, torch.float32)
+    monkeypatch.setenv(cpu_path.SWITCH, "auto")
+    monkeypatch.setitem(cpu_path.MEASURED, ("sglang", torch.float32), cpu_path.Measurement(1.25, "a test"))
+    with mode("all"):
+        done = sglang_plugin.apply(model, hf_vision.config)
+    assert done["attention_layers"] == 0 and done["tower"] == done["cpu"]
+    assert "1.25x" in done["cpu"]
+    assert {block.attn.qkv_backend_name for block in model.visual.blocks} == {"sdpa"}
+    assert not isinstance(model.visual.forward, sglang_tower.QvlTowerForward)
+    monkeypatch.setitem(cpu_path.MEASURED, ("sglang", torch.float32), cpu_path.Measurement(0.8, "a test"))
+    with mode("all"):
+        done = sglang_plugin.apply(model, hf_vision.config)
+    assert done["tower"] == "qvl" and done["cpu"] is None
+
+
+def test_switch_off_in_apply_changes_nothing():
+    hf_vision = hf_vision_model(seed=6, **SIZES)
+    model = sglang_model_of(hf_vision, torch.float32)
+    with mode("off"):
+        done = sglang_plugin.apply(model, hf_vision.config)
+    assert done["attention_layers"] == 0 and done["tower"] == "QVL_SGLANG=off"
+    assert {block.attn.qkv_backend_name for block in model.visual.blocks} == {"sdpa"}
