@@ -198,6 +198,9 @@ def run_dtype(report: CpuTowerReport, config: VisionConfig, workloads: dict[str,
             timing = harness.Timing(min(times[impl]), min(times[impl]), max(times[impl]))
             err = None if impl == BASELINE else errors[impl]
             report.add(case, impl, timing, tower_flops(config, grid_thw), err, note=f"peak {peak / MiB:.0f} MiB")
+        base = min(times[BASELINE])
+        ratios = ", ".join(f"{impl} {min(times[impl]) / base:.2f}" for impl in runs if impl != BASELINE)
+        print(f"{case}: {BASELINE} {base:.0f} ms; ratios {ratios}", flush=True)
 
 
 def benchmark(dtypes: Sequence[torch.dtype], quick: bool) -> CpuTowerReport:

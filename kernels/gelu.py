@@ -44,6 +44,7 @@ __all__ = [
     "bias_gelu_backward_reference",
     "bias_gelu_launches",
     "bias_gelu_reference",
+    "bias_gelu_torch",
     "bias_gelu_torch_",
     "launch_config",
 ]
@@ -220,12 +221,21 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
     return y.to(x.dtype).contiguous()
 
 
+def bias_gelu_torch(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """:func:`bias_gelu` on the ops' torch path: eager torch's ``gelu(x + bias)`` in x's dtype (a 16-bit ``x + bias``
+    rounded before the GELU, where transformers' ``Linear`` + GELU rounds its biased product too: one rounding more
+    than :func:`bias_gelu_reference`, which computes in fp32 throughout). Returns a new contiguous tensor."""
+    v = x + bias
+    return v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+
+
 def bias_gelu_torch_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> None:
-    """:func:`bias_gelu_` on the ops' torch path: :func:`bias_gelu_reference`'s arithmetic written into ``x``. An fp32
-    ``x`` takes the bias and the GELU in place, two passes where the reference's copy back makes three; a 16-bit
-    one computes in fp32 and rounds once, as the reference does."""
-    if x.dtype != torch.float32:
-        x.copy_(bias_gelu_reference(x, bias, approximate))
+    """:func:`bias_gelu_` on the ops' torch path: :func:`bias_gelu_torch`'s result (the same bits) written into ``x``.
+    A contiguous ``x`` (a matmul's output) takes the bias and the GELU in place, two passes where the reference's
+    fp32 copies and copy back make three (fp32) to five (16-bit); a strided one is copied back, since torch's
+    vectorized GELU, which contiguous tensors get, rounds differently from its strided loop."""
+    if not x.is_contiguous():
+        x.copy_(bias_gelu_torch(x, bias, approximate))
         return
     x.add_(bias)
     if approximate == "quick":
@@ -285,7 +295,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     (:func:`bias_gelu_backward`; saves x and bias).
     """
     _check_bias_gelu_args("bias_gelu", x, bias, approximate)
-    if runs_torch(x.device):
+    backend = backend_for(x.device)
+    if backend == "torch":
+        return bias_gelu_torch(x, bias, approximate)
+    if backend == "reference":
         return bias_gelu_reference(x, bias, approximate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_bias_gelu(x, bias, y, approximate)

@@ -4,12 +4,12 @@ On the ``"torch"`` path (:mod:`qvl.kernels.common`: CPU tensors outside Triton's
 op runs plain torch. Called as custom ops they stay opaque to torch.compile, so Inductor could fuse none of their
 elementwise work with the matmuls' neighbours. This module holds the same computations as functions with the ops'
 names, arguments and results, which a compiled caller traces into: :func:`ops_for` hands the tower's layers this
-module on the torch path and ``torch.ops.qvl`` elsewhere. Attention stays a custom op inside the traced code
+module on the torch path in inference and ``torch.ops.qvl`` elsewhere. Attention stays a custom op inside the traced code
 (:func:`vision_attn` rotates q and k in traceable torch, then calls ``torch.ops.qvl.vision_attn``, whose torch path
 reads the segment bounds on the host), so a compiled tower still has one graph for every batch shape.
 
-Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU, the position table,
-out-of-place bias + GELU) the torch path is the reference itself.
+Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU, the position table) the torch
+path is the reference itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from .attention.forward import vision_attn_sdpa
 from .common import backend_for
-from .gelu import bias_gelu_reference as bias_gelu
+from .gelu import bias_gelu_torch as bias_gelu
 from .gelu import bias_gelu_torch_ as bias_gelu_
 from .layer_norm import add_layer_norm_torch as add_layer_norm
 from .layer_norm import layer_norm_torch as layer_norm
@@ -68,7 +68,12 @@ def vision_attn(
 
 
 def ops_for(device: torch.device) -> ModuleType | torch._ops._OpNamespace:
-    """Where the towers' layers find qvl's ops for tensors on ``device``: this module on the ``"torch"`` path, else
-    ``torch.ops.qvl`` (Triton kernels, or the references when ``"reference"`` is forced). torch.compile traces the
-    choice, guarding on a forced path."""
-    return sys.modules[__name__] if backend_for(device) == "torch" else torch.ops.qvl
+    """Where the towers' layers find qvl's ops for tensors on ``device``: this module on the ``"torch"`` path with grad
+    mode off (inference: ``torch.no_grad``, ``torch.inference_mode``), else ``torch.ops.qvl``. The custom ops run
+    Triton kernels, the references when ``"reference"`` is forced, and under grad mode their own backward formulas,
+    which compute in fp32 where autograd through this module's 16-bit torch code would round each op's gradient
+    (their forwards on the torch path are this module's functions). torch.compile traces the choice, guarding on a
+    forced path and on grad mode."""
+    if backend_for(device) == "torch" and not torch.is_grad_enabled():
+        return sys.modules[__name__]
+    return torch.ops.qvl

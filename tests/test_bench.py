@@ -1,6 +1,7 @@
 """Smoke test of the benchmarks' CPU mode: each module runs in-process on its torch paths and reports
 the rows it should, with finite positive numbers. Nothing here asserts on speed."""
 
+import importlib.util
 import json
 import math
 import re
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import (  # noqa: E402
     bench_attention,
     bench_attention_backward,
+    bench_cpu,
     bench_merger,
     bench_pos_embed,
     bench_rotary,
@@ -143,6 +145,28 @@ def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check_table_last(out, all_cases[-1].name, "eager")
 
 
+def test_cpu_tower_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """bench_cpu's smoke run: per workload transformers, qvl and qvl compiled (vLLM's peers skipped where vllm does
+    not import), each with its time, its error against transformers and its peak memory; the ratio table last."""
+    path = tmp_path / "results.json"
+    bench_cpu.main(["--quick", "--dtype", "fp32", "--json", str(path)])
+    data, out = json.loads(path.read_text()), capsys.readouterr().out
+    assert data["bench"] == "cpu" and data["dtype"] == "float32"
+    cases = [f"float32 {label}" for label in bench_cpu.QUICK_WORKLOADS]
+    impls = ["transformers", "qvl", "qvl compiled"]
+    assert [(r["case"], r["impl"]) for r in data["records"]] == [(c, i) for c in cases for i in impls]
+    for r in data["records"]:
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["agrees"], r
+        assert (r["max_rel_err"] is None) == (r["impl"] == "transformers")
+    assert {(p["case"], p["impl"]) for p in data["peak_tensor_bytes"]} == {(c, i) for c in cases for i in impls}
+    assert all(p["bytes"] > 0 for p in data["peak_tensor_bytes"])
+    if importlib.util.find_spec("vllm") is None:
+        assert data["skipped"]["vLLM (float32)"] == "vllm is not installed"
+    header, _, *rows = out.rstrip().splitlines()[-2 - len(cases) :]
+    assert header.split()[:4] == ["case", "transformers", "ms", "qvl"]
+    assert [row.split()[:2] for row in rows] == [c.split()[:2] for c in cases]
+
+
 def test_tower_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Forward cases (errors against hf sdpa's outputs) and a training-step case (errors of every implementation's
     parameter gradients against an fp32 copy of hf sdpa, transformers' own included), with their work counts."""
@@ -248,6 +272,7 @@ def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> No
         "pos_embed",
         "merger",
         "tower",
+        "cpu",
         "window",
     ]
     assert run_all.parse_args(["--only", "tower, pos_embed"]).names == ["tower", "pos_embed"]

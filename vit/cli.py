@@ -68,7 +68,12 @@ MAX_ASPECT_RATIO = 200
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"})
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_BACKEND_NAMES = {"triton": "Triton compiled", "interpreter": "Triton interpreter", "torch": "torch reference"}
+_BACKEND_NAMES = {
+    "triton": "Triton compiled",
+    "interpreter": "Triton interpreter",
+    "torch": "torch CPU path (fused SDPA attention)",
+    "reference": "torch reference",
+}
 
 ENCODE_EPILOG = f"""\
 output (safetensors), for each input i, numbered over the positional inputs in the order given and then

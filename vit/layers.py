@@ -34,6 +34,7 @@ __all__ = [
     "column_parallel_input",
     "embed_patches",
     "linear_parts",
+    "merge_blocks",
     "needs_grad",
     "runs_itself",
     "patch_merger",
@@ -160,11 +161,28 @@ def row_parallel_linear(
     return reduced if bias is None else reduced + bias
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm, or RMSNorm where there is no bias."""
+def _norm(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm, or RMSNorm where there is no bias, from ``ops`` (:func:`~qvl.kernels.ops_for`'s choice, or
+    ``torch.ops.qvl``)."""
     if bias is None:
-        return ops_for(x.device).rms_norm(x, weight, eps)
-    return ops_for(x.device).layer_norm(x, weight, bias, eps)
+        return ops.rms_norm(x, weight, eps)
+    return ops.layer_norm(x, weight, bias, eps)
+
+
+def merge_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x (N, C)`` as ``(N / group, group * C)`` rows, each ``group`` consecutive tokens side by side: a view of x (of a
+    contiguous copy where x is strided).
+
+    In inference a strided view rather than ``view``: on the torch path compiled code fuses the sum or norm that
+    makes x, and Inductor, reshaping such a fused result, guards on the merged-token count (a batch of one merged
+    token would compile again); a strided view makes it store x and read it back as merge blocks. Where autograd
+    records, x comes from custom ops (:func:`~qvl.kernels.ops_for`), which store it anyway, and ``view`` keeps the
+    backward free of as_strided's scatter, which a compiled backward would guard on that count for."""
+    merged_width = group * x.shape[1]
+    if needs_grad(x):
+        return x.view(-1, merged_width)
+    x = x.contiguous()
+    return x.as_strided((x.shape[0] // group, merged_width), (merged_width, 1))
 
 
 def patch_merger(
@@ -207,8 +225,12 @@ def patch_merger(
             f"patch_merger: x's token count {x.shape[0]} must be divisible by spatial_merge_size**2 = {group}"
         )
     merged_width = x.shape[1] * group
-    h = _norm(x.view(-1, merged_width) if postshuffle_norm else x, norm_weight, norm_bias, eps)
-    h = column_parallel_input(h.view(-1, merged_width), all_reduce)
+    ops = ops_for(x.device)
+    if postshuffle_norm:
+        h = _norm(ops, merge_blocks(x, group), norm_weight, norm_bias, eps)
+    else:
+        h = merge_blocks(_norm(ops, x, norm_weight, norm_bias, eps), group)
+    h = column_parallel_input(h, all_reduce)
     h = _bias_gelu(_product(h, fc1_weight), fc1_bias, "none")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 

@@ -82,12 +82,17 @@ def test_attention_memory_grows_linearly():
     assert peak < logits / 4, (peak, logits)
 
 
-def test_ops_for_follows_the_path():
+def test_ops_for_follows_the_path_and_grad_mode():
+    """Plain torch for inference on the torch path; the custom ops (fp32 backward formulas) under grad mode and on
+    every other path."""
+    cpu = torch.device("cpu")
     with force_backend("torch"):
-        assert ops_for(torch.device("cpu")) is torch_path
-    with force_backend("reference"):
-        assert ops_for(torch.device("cpu")) is torch.ops.qvl
-        assert backend_for(torch.device("cpu")) == "reference"
+        with torch.no_grad():
+            assert ops_for(cpu) is torch_path
+        with torch.enable_grad():
+            assert ops_for(cpu) is torch.ops.qvl
+    with force_backend("reference"), torch.no_grad():
+        assert ops_for(cpu) is torch.ops.qvl and backend_for(cpu) == "reference"
 
 
 def test_compiles_without_graph_breaks_or_recompiles():

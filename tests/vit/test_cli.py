@@ -121,7 +121,7 @@ def test_images_match_the_tower_on_transformers_preprocessing(images, embedded_t
     assert (metadata["model"], metadata["dtype"], metadata["backend"]) == ("embedded-random", "float32", "torch")
 
     err = capsys.readouterr().err
-    assert "embedded random default" in err and "torch reference" in err
+    assert "embedded random default" in err and "torch CPU path" in err
     assert "images/s" in err and "patches/s" in err
     assert [p.name for p in tmp_path.iterdir()] == ["features.safetensors"]  # no temporary file left
 
@@ -492,7 +492,7 @@ def test_python_dash_m_entry_point_with_default_pixel_bounds(images, tmp_path):
     command = [sys.executable, "-m", "qvl.vit", "encode", str(images[2]), "-o", str(output)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "torch reference" in result.stderr
+    assert "torch CPU path (fused SDPA attention)" in result.stderr
     tensors, metadata = read_output(output)
     # Qwen3-VL's min_pixels (256*256) scales the 32x32 image up to 256x256: 16x16 patches, 64 merged rows
     assert json.loads(metadata["grid_thw"]) == [[1, 16, 16]]

@@ -11,7 +11,7 @@ import torch
 
 from inprocess import model_config_of, vllm_tower_of
 from qvl.kernels.common import force_backend
-from qvl.vit import vllm_routes, vllm_tower
+from qvl.vit import cpu_path, vllm_attention, vllm_routes, vllm_tower
 from qvl.vit.families import family_of
 from tolerance import assert_error_within
 from towers import (
@@ -217,3 +217,22 @@ def test_qwen2_family_towers_match_vllm_and_float64(name):
         out = visual(pixel_values, grid_thw=QWEN2_GRID)
     assert vllm_routes.route_counts()["tower"] == before + 1
     assert_error_within(out, truth, baseline, what=f"vLLM's {name} tower on qvl")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decision_steps_aside_by_default_where_not_faster(monkeypatch, dtype):
+    """On this CPU both routes follow qvl.vit.cpu_path: with the switch unset, a dtype the table does not show qvl
+    winning keeps vLLM's own tower and attention; QVL_CPU_ROUTES=on takes them again."""
+    monkeypatch.delenv(cpu_path.SWITCH)
+    monkeypatch.setattr(cpu_path, "MEASURED", {("vllm", dtype): cpu_path.Measurement(1.5, "a slower run")})
+    hf_model = hf_vision_model(seed=3, depth=1, deepstack_visual_indexes=[0])
+    visual = vllm_tower_of(hf_model, dtype)
+    model = SimpleNamespace(visual=visual, use_data_parallel=False)
+    family = family_of(hf_model.config.model_type)
+    vllm_tower.attach(model, model_config_of(hf_model.config), family)
+    assert not isinstance(visual.forward, vllm_tower.QvlTowerForward)
+    assert "a slower run" in vllm_attention.cpu_step_aside(dtype)
+    with cpu_path.forced_routes(True):
+        assert vllm_attention.cpu_step_aside(dtype) is None
+        vllm_tower.attach(model, model_config_of(hf_model.config), family)
+    assert isinstance(visual.forward, vllm_tower.QvlTowerForward)
