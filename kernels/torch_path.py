@@ -4,9 +4,9 @@ On the ``"torch"`` path (:mod:`qvl.kernels.common`: CPU tensors outside Triton's
 op runs plain torch. Called as custom ops they stay opaque to torch.compile, so Inductor could fuse none of their
 elementwise work with the matmuls' neighbours. This module holds the same computations as functions with the ops'
 names, arguments and results, which a compiled caller traces into: :func:`ops_for` hands the tower's layers this
-module on the torch path in inference and ``torch.ops.qvl`` elsewhere. Attention stays a custom op inside the traced code
-(:func:`vision_attn` rotates q and k in traceable torch, then calls ``torch.ops.qvl.vision_attn``, whose torch path
-reads the segment bounds on the host), so a compiled tower still has one graph for every batch shape.
+module on the torch path in inference and ``torch.ops.qvl`` elsewhere. Attention stays a custom op inside the traced
+code (:func:`vision_attn` rotates q and k in traceable torch, then calls ``torch.ops.qvl.vision_attn``, whose torch
+path reads the segment bounds on the host), so a compiled tower still has one graph for every batch shape.
 
 Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU, the position table) the torch
 path is the reference itself.

@@ -170,8 +170,8 @@ def _norm(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def merge_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x (N, C)`` as ``(N / group, group * C)`` rows, each ``group`` consecutive tokens side by side: a view of x (of a
-    contiguous copy where x is strided).
+    """``x (N, C)`` as ``(N / group, group * C)`` rows, each ``group`` consecutive tokens side by side: a view of x
+    (of a contiguous copy where x is strided).
 
     In inference a strided view rather than ``view``: on the torch path compiled code fuses the sum or norm that
     makes x, and Inductor, reshaping such a fused result, guards on the merged-token count (a batch of one merged
@@ -224,7 +224,6 @@ def patch_merger(
         raise ValueError(
             f"patch_merger: x's token count {x.shape[0]} must be divisible by spatial_merge_size**2 = {group}"
         )
-    merged_width = x.shape[1] * group
     ops = ops_for(x.device)
     if postshuffle_norm:
         h = _norm(ops, merge_blocks(x, group), norm_weight, norm_bias, eps)

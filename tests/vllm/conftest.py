@@ -19,7 +19,6 @@ runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecus
 
 from checkpoints import make_qwen2_5_vl, make_qwen2_vl, make_qwen3_vl  # noqa: E402
 from engine import run_engine  # noqa: E402,F401  (here too for tests that look for it in conftest)
-
 from qvl.vit.cpu_path import SWITCH  # noqa: E402
 
 
