@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
+    backend_for,
     check_same_device,
     check_tensor,
     device_target,
@@ -47,9 +48,11 @@ __all__ = [
     "pos_embed_interp_backward",
     "pos_embed_interp_backward_launches",
     "pos_embed_interp_add_reference",
+    "pos_embed_interp_add_torch_",
     "pos_embed_interp_backward_reference",
     "pos_embed_interp_launches",
     "pos_embed_interp_reference",
+    "pos_embed_interp_torch",
 ]
 
 NUM_TAPS = 4
@@ -157,6 +160,30 @@ def pos_embed_interp_add_reference(
     """Pure-torch :func:`pos_embed_interp_add_`: adds the fp32 blend, rounded to hidden_states' dtype, in place
     (materialises ``(T, 4, C)``)."""
     hidden_states.add_(_interp_fp32(pos_embed, interp_indices, interp_weights).to(hidden_states.dtype))
+
+
+def pos_embed_interp_torch(
+    pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> torch.Tensor:
+    """:func:`pos_embed_interp` on the ops' torch path: the reference's blend (fp32 products summed in tap order, the
+    same bits) one tap at a time, so it holds ``(T, C)`` rows where the reference holds two ``(T, 4, C)`` tensors."""
+    return _blend_by_tap(pos_embed, interp_indices, interp_weights).to(pos_embed.dtype)
+
+
+def pos_embed_interp_add_torch_(
+    hidden_states: torch.Tensor, pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+) -> None:
+    """:func:`pos_embed_interp_add_` on the ops' torch path: :func:`pos_embed_interp_torch`'s blend added in place."""
+    hidden_states.add_(_blend_by_tap(pos_embed, interp_indices, interp_weights).to(hidden_states.dtype))
+
+
+def _blend_by_tap(pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k pos_embed[idx_k] * w_k`` in fp32, ``(T, C)``, accumulated tap by tap in tap order."""
+    indices = interp_indices.long()
+    blend = pos_embed[indices[:, 0]] * interp_weights[:, :1]
+    for tap in range(1, NUM_TAPS):
+        blend += pos_embed[indices[:, tap]] * interp_weights[:, tap : tap + 1]
+    return blend
 
 
 def pos_embed_interp_backward_reference(
@@ -299,7 +326,10 @@ def pos_embed_interp(
     interp_weights must not require grad (RuntimeError).
     """
     _check_interp_args("pos_embed_interp", pos_embed, interp_indices, interp_weights)
-    if runs_torch(pos_embed.device):
+    backend = backend_for(pos_embed.device)
+    if backend == "torch":
+        return pos_embed_interp_torch(pos_embed, interp_indices, interp_weights)
+    if backend == "reference":
         return pos_embed_interp_reference(pos_embed, interp_indices, interp_weights)
     out = torch.empty((interp_indices.shape[0], pos_embed.shape[1]), dtype=pos_embed.dtype, device=pos_embed.device)
     _launch_interp(pos_embed, interp_indices, interp_weights, out, add=False)
@@ -334,7 +364,11 @@ def pos_embed_interp_add_(
     grad it runs as before.
     """
     _check_add_args("pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights)
-    if runs_torch(hidden_states.device):
+    backend = backend_for(hidden_states.device)
+    if backend == "torch":
+        pos_embed_interp_add_torch_(hidden_states, pos_embed, interp_indices, interp_weights)
+        return
+    if backend == "reference":
         pos_embed_interp_add_reference(hidden_states, pos_embed, interp_indices, interp_weights)
         return
     _launch_interp(pos_embed, interp_indices, interp_weights, hidden_states, add=True)

@@ -8,8 +8,8 @@ module on the torch path in inference and ``torch.ops.qvl`` elsewhere. Attention
 code (:func:`vision_attn` rotates q and k in traceable torch, then calls ``torch.ops.qvl.vision_attn``, whose torch
 path reads the segment bounds on the host), so a compiled tower still has one graph for every batch shape.
 
-Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU, the position table) the torch
-path is the reference itself.
+Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU) the torch path is the reference
+itself.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from .gelu import bias_gelu_torch as bias_gelu
 from .gelu import bias_gelu_torch_ as bias_gelu_
 from .layer_norm import add_layer_norm_torch as add_layer_norm
 from .layer_norm import layer_norm_torch as layer_norm
-from .pos_embed import pos_embed_interp_add_reference as pos_embed_interp_add_
-from .pos_embed import pos_embed_interp_reference as pos_embed_interp
+from .pos_embed import pos_embed_interp_add_torch_ as pos_embed_interp_add_
+from .pos_embed import pos_embed_interp_torch as pos_embed_interp
 from .rms_norm import add_rms_norm_reference as add_rms_norm
 from .rms_norm import rms_norm_reference as rms_norm
 from .rotary import rotary_2d_torch as rotary_2d
