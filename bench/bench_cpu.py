@@ -2,12 +2,15 @@
 and ``tower.compile()``: Inductor's C++ backend) against transformers' ``Qwen3VLVisionModel`` with SDPA and, where
 ``vllm`` imports, vLLM's own CPU tower (``Qwen3_VisionTransformer`` built in this process, its linears packed for
 oneDNN as vLLM's loader leaves them, without qvl's plugin) and the same tower run by qvl's vLLM tower route
-("vLLM + qvl", forced on: what :mod:`qvl.vit.cpu_path`'s measured table records).
+("vLLM + qvl", forced on: what :mod:`qvl.vit.cpu_path`'s measured table records); likewise, where ``sglang``
+imports, SGLang's own CPU tower (``Qwen3VLMoeVisionModel`` with its sdpa ViT backend) and "SGLang + qvl".
 
     python -m bench.bench_cpu [--dtype fp32|bf16] [--quick] [--json PATH]
 
     # with vLLM's tower (vLLM's CPU environment; tests/vllm/sitecustomize.py lets its torchvision import):
     PYTHONPATH=tests/vllm .venv-vllm/bin/python -m bench.bench_cpu
+    # with SGLang's tower (tests/sglang/sitecustomize.py: the same for SGLang's environment):
+    PYTHONPATH=tests/sglang .venv-sglang/bin/python -m bench.bench_cpu
 
 The tower has Qwen3-VL-8B's block shapes (hidden 1152, 16 heads of 72, MLP 4304, out 4096) at depth 4 with one
 deepstack merger; every implementation gets the same random weights. Workloads: one image of 1,024 patches, one
@@ -154,6 +157,28 @@ def vllm_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False) 
     return lambda pixels, grid: visual(pixels, grid_thw=grid)[:, :width]
 
 
+def sglang_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False) -> Run:
+    """SGLang's own tower of ``reference``'s weights (its sdpa ViT backend, as SGLang picks on a CPU without AMX; its
+    output holds the merged features, then the deepstack ones); with ``qvl_route``, run by qvl's routes as SGLang's
+    plugin applies them (forced on: the measurement the routes' CPU decision rests on)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise harness.Unavailable("sglang is not installed")
+    from qvl.vit import cpu_path
+
+    from .sglang_inprocess import sglang_model_of
+
+    model = sglang_model_of(reference, dtype)
+    if qvl_route:
+        from qvl.vit import sglang_plugin, sglang_tower
+
+        with cpu_path.forced_routes(True):
+            done = sglang_plugin.apply(model, reference.config)
+        if done["tower"] != "qvl" or not isinstance(model.visual.forward, sglang_tower.QvlTowerForward):
+            raise harness.Unavailable(f"qvl's tower route did not attach to SGLang's tower: {done}")
+    width = reference.config.out_hidden_size
+    return lambda pixels, grid: model.visual(pixels, grid_thw=grid)[:, :width]
+
+
 def implementations(config: VisionConfig, dtype: torch.dtype, quick: bool) -> tuple[dict[str, Run], dict[str, str]]:
     """Every implementation of ``config``'s tower in ``dtype`` that runs here, and why the others do not."""
     reference = randomize(hf_tower(config, harness.get_device("cpu"), torch.float32, "sdpa")).to(dtype)
@@ -166,6 +191,8 @@ def implementations(config: VisionConfig, dtype: torch.dtype, quick: bool) -> tu
         "qvl compiled": lambda: qvl_run(compiled),
         "vLLM": lambda: vllm_run(reference, dtype),
         "vLLM + qvl": lambda: vllm_run(reference, dtype, qvl_route=True),
+        "SGLang": lambda: sglang_run(reference, dtype),
+        "SGLang + qvl": lambda: sglang_run(reference, dtype, qvl_route=True),
     }
     return harness.peers(builders)
 

@@ -6,6 +6,11 @@ pytest puts this folder on sys.path, so tests import its modules by bare name (`
 
 import os
 import runpy
+import sys
+from pathlib import Path
+
+# bench/ (bench.sglang_inprocess, shared with the CPU benchmark) is a plain directory run from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # SGLang imports torchvision (through transformers) and, on its generic platform, vllm._custom_ops: this process
 # needs the start-up shim as well, unless pytest was started with tests/sglang on PYTHONPATH, which already ran it.

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from inprocess import sglang_model_of, sglang_world
+from bench.sglang_inprocess import sglang_model_of, sglang_world
 from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
 from tolerance import assert_error_within
 from towers import float64_copy, float64_vision_outputs, hf_vision_model, pixel_values_for, randomize, rotary_in_float64

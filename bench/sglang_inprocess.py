@@ -1,7 +1,8 @@
-"""SGLang's vision modules built in the test process, without an engine: a one-rank SGLang world (gloo, a published
-``ServerArgs`` on the CPU) and SGLang's tower of a family (Qwen3-VL's ``Qwen3VLMoeVisionModel``, Qwen2.5-VL's,
-Qwen2-VL's) loaded with a transformers tower's weights, held by SGLang's own model class as the engine's loader
-would leave it."""
+"""SGLang's vision modules built in the calling process, without an engine (the CPU benchmark's SGLang peers, the
+SGLang tests' in-process checks): a one-rank SGLang world (gloo, a published ``ServerArgs`` on the CPU) and SGLang's
+tower of a family (Qwen3-VL's ``Qwen3VLMoeVisionModel``, Qwen2.5-VL's, Qwen2-VL's) loaded with a transformers
+tower's weights, held by SGLang's own model class as the engine's loader would leave it. Needs the start-up shim of
+tests/sglang/sitecustomize.py where SGLang's torchvision and vllm imports fail (this project's CPU environment)."""
 
 import functools
 import os
