@@ -9,7 +9,8 @@ Four paths run a qvl op, chosen per call from the input's device:
 * ``"torch"``: CPU tensors otherwise run the ops' torch path (:mod:`qvl.kernels.torch_path`): plain torch
   built for speed on CPU (attention through torch's fused ``scaled_dot_product_attention``, one call per run
   of equal-length segments, memory O(S); the rotary once per q and k; norms and activations in as few
-  passes as eager torch allows), which torch.compile traces into.
+  passes as eager torch allows), which torch.compile traces into. Attention's training forward, which also
+  returns the log-sum-exp, and the backward ops run the references.
 * ``"reference"``: each op's pure-torch reference, the tests' oracle (attention materializes every segment's
   fp32 logits). Never chosen by default.
 
