@@ -46,8 +46,15 @@ class Measurement:
     source: str
 
 
+_BENCH_2026_12_03 = "cpu-intel-r-xeon-r-processor-2026-12-03.txt"
 # (engine, dtype) -> the measurement the default decision follows; an engine or dtype not listed steps aside.
-MEASURED: dict[tuple[str, torch.dtype], Measurement] = {}
+MEASURED: dict[tuple[str, torch.dtype], Measurement] = {
+    # vLLM 0.32.0's CPU build: its tower on qvl's route ("vLLM + qvl") over its own ("vLLM"), worst of the 1 x 1,024,
+    # 1 x 4,096 and 4 x 1,024 patch workloads (1.01 / 1.04 / 1.06 in fp32, 1.16 / 1.14 / 1.25 in bf16): vLLM's own
+    # tower, on the same oneDNN linears and torch's SDPA, is faster, so the route steps aside.
+    ("vllm", torch.float32): Measurement(1.06, _BENCH_2026_12_03),
+    ("vllm", torch.bfloat16): Measurement(1.25, _BENCH_2026_12_03),
+}
 
 
 def cpu_route_decision(engine: str, dtype: torch.dtype) -> tuple[bool, str]:
