@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from qvl.kernels import ops_for
+from qvl.kernels import ops_for, torch_path
 
 from .config import TowerConfig
 from .families import ModuleNames
@@ -277,19 +277,31 @@ def block_step(
         h = _norm(block.norm1, x)
     else:
         x, h = _add_norm(block.norm1, x, delta)
+    # The attention's qkv projection and output live in _attention's frame only: freed before the MLP runs.
+    x, h = _add_norm(block.norm2, x, _attention(block, h, windowed, spec, inputs, all_reduce, linear))
+    return x, _mlp(block.mlp, h, spec, all_reduce, linear)
+
+
+def _attention(
+    block: nn.Module,
+    h: torch.Tensor,
+    windowed: bool,
+    spec: TowerSpec,
+    inputs: DeviceInputs,
+    all_reduce: AllReduce | None,
+    linear: LinearParts,
+) -> torch.Tensor:
+    """A block's attention on its normed input ``h``: qkv, rotary + attention, output projection."""
     if windowed:
         segments, max_seqlen = inputs.cu_window_seqlens, spec.window_tokens
     else:
         segments, max_seqlen = inputs.cu_seqlens, inputs.max_seqlen
-    attn = block.attn
     qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(part(block, spec.names.attn_qkv)), None)
     q, k, v = qkv.view(qkv.shape[0], 3, spec.num_heads, spec.head_dim).unbind(1)
     a = ops_for(q.device).vision_attn(
         q, k, v, segments, max_seqlen=max_seqlen, positions=inputs.positions, rope_theta=spec.rope_theta
     )
-    a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
-    x, h = _add_norm(block.norm2, x, a)
-    return x, _mlp(block.mlp, h, spec, all_reduce, linear)
+    return row_parallel_linear(a.flatten(1), *linear(block.attn.proj), all_reduce)
 
 
 def merger_step(
@@ -382,6 +394,9 @@ def device_forward(
     deepstack_mergers = {int(layer): n for n, layer in enumerate(spec.deepstack_visual_indexes)}
     full_attention_blocks = {int(index) for index in spec.full_attention_blocks}
     blocks = tree.blocks
+    # On the torch path no kernel fuses the residual add into the next block's norm, and a pending delta would keep a
+    # second (T, C) tensor alive through that whole block: each block's output is summed at once there.
+    sum_each_block = ops_for(x.device) is torch_path
     if hidden_states_out is not None:
         hidden_states_out.append(x)
     deepstack, delta = [], None
@@ -389,7 +404,7 @@ def device_forward(
         options = dict(windowed=spec.windowed and index not in full_attention_blocks, inputs=inputs, **parts)
         x, delta = call(block, block_step, x, delta, **options)
         # The block's output, summed where something reads it; elsewhere the next block's norm adds it.
-        if index + 1 == len(blocks) or index in deepstack_mergers or hidden_states_out is not None:
+        if sum_each_block or index + 1 == len(blocks) or index in deepstack_mergers or hidden_states_out is not None:
             x, delta = x + delta, None
         if hidden_states_out is not None:
             hidden_states_out.append(x)
