@@ -47,6 +47,7 @@ class Measurement:
 
 
 _BENCH_2026_12_03 = "cpu-intel-r-xeon-r-processor-2026-12-03.txt"
+_SGLANG_BENCH_2026_12_03 = "cpu-sglang-0.5.23-intel-r-xeon-r-processor-2026-12-03.txt"
 # (engine, dtype) -> the measurement the default decision follows; an engine or dtype not listed steps aside.
 MEASURED: dict[tuple[str, torch.dtype], Measurement] = {
     # vLLM 0.32.0's CPU build: its tower on qvl's route ("vLLM + qvl") over its own ("vLLM"), worst of the 1 x 1,024,
@@ -54,6 +55,11 @@ MEASURED: dict[tuple[str, torch.dtype], Measurement] = {
     # tower, on the same oneDNN linears and torch's SDPA, is faster, so the route steps aside.
     ("vllm", torch.float32): Measurement(1.06, _BENCH_2026_12_03),
     ("vllm", torch.bfloat16): Measurement(1.25, _BENCH_2026_12_03),
+    # SGLang 0.5.23 on its generic CPU platform: its Qwen3-VL tower on qvl's routes ("SGLang + qvl") over its own
+    # ("SGLang": sdpa ViT backend, which masks the whole batch at once), worst of the same workloads (0.90 / 0.58 /
+    # 0.38 in fp32, 0.43 / 0.11 / 0.15 in bf16): the routes take it.
+    ("sglang", torch.float32): Measurement(0.90, _SGLANG_BENCH_2026_12_03),
+    ("sglang", torch.bfloat16): Measurement(0.43, _SGLANG_BENCH_2026_12_03),
 }
 
 
