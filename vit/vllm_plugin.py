@@ -34,6 +34,7 @@ import inspect
 import logging
 import os
 
+from .routes import SWITCH_MODES, switch_mode
 from .vllm_routes import route_counts, towers
 
 __all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state", "towers"]
@@ -41,7 +42,6 @@ __all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state"
 # The environment variable that turns qvl's routes on and off inside vLLM.
 SWITCH = "QVL_VLLM"
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-_MODES = {"": "all", "1": "all", "all": "all", "on": "all", "attention": "attention", "0": "off", "off": "off"}
 # vLLM only prints records of loggers under its own "vllm" logger (it configures that logger's handler),
 # so qvl's one-line messages go there to show up in the engine's log next to vLLM's.
 logger = logging.getLogger("vllm.qvl")
@@ -53,10 +53,6 @@ def state() -> dict:
     """What :func:`register` did in this process: the switch's ``mode``, whether the ``attention`` route is
     installed, the ``tower_architectures`` it took over, and the ``reason`` when it left vLLM unchanged."""
     return dict(_state)
-
-
-def _mode() -> str | None:
-    return _MODES.get(os.environ.get(SWITCH, "").strip().lower())
 
 
 def _attention_mismatch() -> str | None:
@@ -88,11 +84,11 @@ def register() -> None:
     recognise (it logs one line and changes nothing)."""
     if _state["mode"] is not None:
         return
-    mode = _mode()
+    mode = switch_mode(SWITCH)
     if mode is None:
         _state.update(mode="off", reason=f"unknown {SWITCH}={os.environ[SWITCH]!r}")
         logger.warning(
-            "qvl: %s=%r is not one of %s; qvl leaves vLLM unchanged", SWITCH, os.environ[SWITCH], sorted(_MODES)
+            "qvl: %s=%r is not one of %s; qvl leaves vLLM unchanged", SWITCH, os.environ[SWITCH], sorted(SWITCH_MODES)
         )
         return
     _state["mode"] = mode
