@@ -163,3 +163,53 @@ def run_two_ranks(script: str, out_dir, timeout: int = 300, **env) -> None:
                script, str(out_dir)]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+# name -> (transformers' class prefix, vision model class, vision config). Qwen2.5-VL: 56-px windows (2 x 2 merged
+# tokens) that the grids below cut into partial ones, full attention in block 1 only; Qwen2-VL: QuickGELU. Head
+# dim 32 both.
+QWEN2_FAMILIES = {
+    "qwen2_5_vl": (
+        "Qwen2_5_VL",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        dict(
+            depth=2,
+            hidden_size=64,
+            num_heads=2,
+            intermediate_size=96,
+            out_hidden_size=96,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+    ),
+    "qwen2_vl": (
+        "Qwen2VL",
+        "Qwen2VisionTransformerPretrainedModel",
+        dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=96),
+    ),
+}
+QWEN2_GRID = [[1, 6, 10], [2, 4, 6], [1, 2, 2]]
+
+
+def hf_qwen2_family_tower(name: str, seed: int) -> torch.nn.Module:
+    """transformers' vision tower of the Qwen2 family ``name`` (a key of :data:`QWEN2_FAMILIES`) with random weights."""
+    import importlib
+
+    prefix, model_class, kwargs = QWEN2_FAMILIES[name]
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    configuration = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+    config = getattr(configuration, f"{prefix}VisionConfig")(**kwargs)
+    config._attn_implementation = "sdpa"
+    return randomize(getattr(modeling, model_class)(config), seed=seed).eval()
+
+
+def float64_qwen2_family_outputs(
+    name: str, model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw
+) -> torch.Tensor:
+    """The merged features of a float64 copy of the Qwen2-family tower ``model`` (rotary included): the truth."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    prefix = QWEN2_FAMILIES[name][0]
+    with torch.no_grad(), rotary_in_float64(modeling, f"{prefix}VisionRotaryEmbedding"):
+        return float64_copy(model)(pixel_values.double(), grid_thw=torch.tensor(grid_thw)).pooler_output

@@ -12,7 +12,15 @@ import torch
 from bench.sglang_inprocess import sglang_model_of, sglang_world
 from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
 from tolerance import assert_error_within
-from towers import float64_copy, float64_vision_outputs, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
+from towers import (
+    QWEN2_FAMILIES,
+    QWEN2_GRID,
+    float64_qwen2_family_outputs,
+    float64_vision_outputs,
+    hf_qwen2_family_tower,
+    hf_vision_model,
+    pixel_values_for,
+)
 
 # Two images (one of a single merged token) and a two-frame video.
 GRID = [[1, 4, 6], [1, 2, 2], [2, 4, 4]]
@@ -193,48 +201,15 @@ def test_sglang_allow_list_leaves_qvl_out(monkeypatch):
     assert "qvl" not in load_plugins_by_group(GENERAL_PLUGINS_GROUP)
 
 
-# name -> (transformers' class prefix, vision model class, vision config). Qwen2.5-VL: 56-px windows (2 x 2 merged
-# tokens) that the grid cuts into partial ones, full attention in block 1 only; Qwen2-VL: QuickGELU. Head dim 32.
-QWEN2_FAMILIES = {
-    "qwen2_5_vl": (
-        "Qwen2_5_VL",
-        "Qwen2_5_VisionTransformerPretrainedModel",
-        dict(
-            depth=2,
-            hidden_size=64,
-            num_heads=2,
-            intermediate_size=96,
-            out_hidden_size=96,
-            window_size=56,
-            fullatt_block_indexes=[1],
-        ),
-    ),
-    "qwen2_vl": (
-        "Qwen2VL",
-        "Qwen2VisionTransformerPretrainedModel",
-        dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=96),
-    ),
-}
-QWEN2_GRID = [[1, 6, 10], [2, 4, 6], [1, 2, 2]]
-
-
 @pytest.mark.parametrize("name", sorted(QWEN2_FAMILIES))
 def test_qwen2_family_towers_match_sglang_and_float64(name):
     """SGLang's Qwen2.5-VL tower (RMSNorm, stacked gate_up SwiGLU, windows) and Qwen2-VL tower (LayerNorm, QuickGELU)
     on qvl's runner, fp32 through the interpreter, against SGLang's own forward and transformers in float64."""
-    import importlib
-
-    prefix, model_class, kwargs = QWEN2_FAMILIES[name]
-    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    configuration = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
-    config = getattr(configuration, f"{prefix}VisionConfig")(**kwargs)
-    config._attn_implementation = "sdpa"
+    hf_vision = hf_qwen2_family_tower(name, seed=9)
     # SGLang 0.5.23's Qwen2-VL tower reads the channel count under its old name, which transformers 5 dropped.
-    config.in_chans = config.in_channels
-    hf_vision = randomize(getattr(modeling, model_class)(config), seed=9).eval()
+    hf_vision.config.in_chans = hf_vision.config.in_channels
     pixel_values = pixel_values_for(QWEN2_GRID, seed=10, channels=3 * 2 * 14 * 14)
-    with torch.no_grad(), rotary_in_float64(modeling, f"{prefix}VisionRotaryEmbedding"):
-        truth = float64_copy(hf_vision)(pixel_values.double(), grid_thw=torch.tensor(QWEN2_GRID)).pooler_output
+    truth = float64_qwen2_family_outputs(name, hf_vision, pixel_values, QWEN2_GRID)
     model = sglang_model_of(hf_vision, torch.float32)
     baseline = outputs(model, pixel_values, QWEN2_GRID)
     with mode("all"):

@@ -159,12 +159,13 @@ def _text_config(tokenizer, **overrides) -> dict:
     )
 
 
-def make_qwen3_vl(path, seed: int = 3) -> str:
+def make_qwen3_vl(path, seed: int = 3, vision_hidden_size: int = 144) -> str:
     """A tiny Qwen3-VL checkpoint in ``path`` (made if missing); returns the path as a string.
 
-    Vision: hidden 144 with 2 heads (head dim 72, as the real towers), depth 3, DeepStack taps after blocks
-    0 and 1, patch 16, a learned 8 x 8 position grid. Text: hidden 128, 2 layers, 4 query and 2 KV heads of
-    dim 64 with interleaved M-RoPE sections [12, 10, 10] (the real [24, 20, 20] halved).
+    Vision: hidden 144 with 2 heads (head dim 72, as the real towers; ``vision_hidden_size`` sets another width),
+    depth 3, DeepStack taps after blocks 0 and 1, patch 16, a learned 8 x 8 position grid. Text: hidden 128, 2
+    layers, 4 query and 2 KV heads of dim 64 with interleaved M-RoPE sections [12, 10, 10] (the real [24, 20, 20]
+    halved).
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -176,7 +177,7 @@ def make_qwen3_vl(path, seed: int = 3) -> str:
         text_config=_text_config(tokenizer, head_dim=64, rope_parameters=rope),
         vision_config=dict(
             depth=3,
-            hidden_size=144,
+            hidden_size=vision_hidden_size,
             num_heads=2,
             intermediate_size=256,
             hidden_act="gelu_pytorch_tanh",

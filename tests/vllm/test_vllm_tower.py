@@ -15,9 +15,13 @@ from qvl.vit import cpu_path, vllm_attention, vllm_routes, vllm_tower
 from qvl.vit.families import family_of
 from tolerance import assert_error_within
 from towers import (
+    QWEN2_FAMILIES,
+    QWEN2_GRID,
     VISION_KWARGS,
     float64_copy,
+    float64_qwen2_family_outputs,
     float64_vision_outputs,
+    hf_qwen2_family_tower,
     hf_vision_model,
     pixel_values_for,
     randomize,
@@ -165,48 +169,14 @@ def test_model_classes_are_vllm_subclasses():
         vllm_tower.LlavaForConditionalGeneration
 
 
-# name -> (transformers' class prefix, vision model class, vision config). Qwen2.5-VL: 56-px windows (2 x 2 merged
-# tokens) that the grids below cut into partial ones, full attention in block 1 only; Qwen2-VL: QuickGELU. Head
-# dim 32 both.
-QWEN2_FAMILIES = {
-    "qwen2_5_vl": (
-        "Qwen2_5_VL",
-        "Qwen2_5_VisionTransformerPretrainedModel",
-        dict(
-            depth=2,
-            hidden_size=64,
-            num_heads=2,
-            intermediate_size=96,
-            out_hidden_size=96,
-            window_size=56,
-            fullatt_block_indexes=[1],
-        ),
-    ),
-    "qwen2_vl": (
-        "Qwen2VL",
-        "Qwen2VisionTransformerPretrainedModel",
-        dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=96),
-    ),
-}
-QWEN2_GRID = [[1, 6, 10], [2, 4, 6], [1, 2, 2]]
-
-
 @pytest.mark.parametrize("name", sorted(QWEN2_FAMILIES))
 def test_qwen2_family_towers_match_vllm_and_float64(name):
     """vLLM's Qwen2.5-VL tower (RMSNorm, stacked gate_up SwiGLU, windows) and Qwen2-VL tower (LayerNorm,
     QuickGELU) on qvl's runner, fp32 through the interpreter, against vLLM's own forward and transformers in
     float64."""
-    import importlib
-
-    prefix, model_class, kwargs = QWEN2_FAMILIES[name]
-    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    configuration = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
-    config = getattr(configuration, f"{prefix}VisionConfig")(**kwargs)
-    config._attn_implementation = "sdpa"
-    hf_model = randomize(getattr(modeling, model_class)(config), seed=9).eval()
+    hf_model = hf_qwen2_family_tower(name, seed=9)
     pixel_values = pixel_values_for(QWEN2_GRID, seed=10, channels=3 * 2 * 14 * 14)
-    with torch.no_grad(), rotary_in_float64(modeling, f"{prefix}VisionRotaryEmbedding"):
-        truth = float64_copy(hf_model)(pixel_values.double(), grid_thw=torch.tensor(QWEN2_GRID)).pooler_output
+    truth = float64_qwen2_family_outputs(name, hf_model, pixel_values, QWEN2_GRID)
     visual, vllm_forward = attached(hf_model, torch.float32)
     # Eager: vLLM compiles its SiluAndMul on first use, which under pytest-xdist met compile state other tests of
     # the worker left (an error inside Dynamo), while the baseline only needs vLLM's arithmetic.
