@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["ROUTES", "SWITCH_MODES", "RouteLog", "switch_mode"]
+__all__ = ["ROUTES", "SWITCH_MODES", "RouteLog", "read_switch", "switch_mode"]
 
 # The routes a log counts: calls taken by qvl, and calls left to the engine's own code.
 ROUTES = ("attention", "attention_fallback", "tower", "tower_fallback")
@@ -19,6 +19,26 @@ def switch_mode(variable: str) -> str | None:
     """The mode an engine plugin's switch, the environment variable ``variable``, asks for (``"all"``,
     ``"attention"`` or ``"off"``; unset is ``"all"``), or None for a value that is not one of :data:`SWITCH_MODES`."""
     return SWITCH_MODES.get(os.environ.get(variable, "").strip().lower())
+
+
+def read_switch(variable: str, state: dict, logger, engine: str) -> str | None:
+    """An engine plugin's first step: read its switch ``variable`` into the plugin's ``state`` (``mode``, and the
+    ``reason`` nothing is installed), logging one line when it turns qvl off or holds an unknown value. Returns the
+    mode to install (``"all"`` or ``"attention"``), or None when the plugin should change nothing in ``engine``."""
+    value = os.environ.get(variable)
+    mode = switch_mode(variable)
+    if mode is None:
+        state.update(mode="off", reason=f"unknown {variable}={value!r}")
+        logger.warning(
+            "qvl: %s=%r is not one of %s; qvl leaves %s unchanged", variable, value, sorted(SWITCH_MODES), engine
+        )
+        return None
+    state["mode"] = mode
+    if mode == "off":
+        state["reason"] = f"{variable}={value}"
+        logger.info("qvl: off (%s=%s); %s runs unchanged", variable, value, engine)
+        return None
+    return mode
 
 
 class RouteLog:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .routes import SWITCH_MODES, RouteLog, switch_mode
+from .routes import RouteLog, read_switch, switch_mode
 
 __all__ = ["SWITCH", "TESTED_SGLANG_VERSIONS", "apply", "register", "route_counts", "state", "towers"]
 
@@ -64,17 +64,8 @@ def register() -> None:
     process according to ``QVL_SGLANG``. Safe to call more than once; never raises."""
     if _state["mode"] is not None:
         return
-    mode = switch_mode(SWITCH)
+    mode = read_switch(SWITCH, _state, logger, "SGLang")
     if mode is None:
-        _state.update(mode="off", reason=f"unknown {SWITCH}={os.environ[SWITCH]!r}")
-        logger.warning(
-            "qvl: %s=%r is not one of %s; qvl leaves SGLang unchanged", SWITCH, os.environ[SWITCH], sorted(SWITCH_MODES)
-        )
-        return
-    _state["mode"] = mode
-    if mode == "off":
-        _state["reason"] = f"{SWITCH}={os.environ.get(SWITCH)}"
-        logger.info("qvl: off (%s=%s); SGLang runs unchanged", SWITCH, os.environ.get(SWITCH))
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
-from .routes import SWITCH_MODES, switch_mode
+from .routes import read_switch
 from .vllm_routes import route_counts, towers
 
 __all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state", "towers"]
@@ -84,17 +83,8 @@ def register() -> None:
     recognise (it logs one line and changes nothing)."""
     if _state["mode"] is not None:
         return
-    mode = switch_mode(SWITCH)
+    mode = read_switch(SWITCH, _state, logger, "vLLM")
     if mode is None:
-        _state.update(mode="off", reason=f"unknown {SWITCH}={os.environ[SWITCH]!r}")
-        logger.warning(
-            "qvl: %s=%r is not one of %s; qvl leaves vLLM unchanged", SWITCH, os.environ[SWITCH], sorted(SWITCH_MODES)
-        )
-        return
-    _state["mode"] = mode
-    if mode == "off":
-        _state["reason"] = f"{SWITCH}={os.environ.get(SWITCH)}"
-        logger.info("qvl: off (%s=%s); vLLM runs unchanged", SWITCH, os.environ.get(SWITCH))
         return
     try:
         import vllm

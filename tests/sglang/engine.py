@@ -16,13 +16,10 @@ process that imported the plugin: its pid, route counts and state), ``load_s`` a
 """
 
 import argparse
-import contextlib
 import glob
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,29 +80,7 @@ def run_engine(model_dir, *, dtype: str, env: dict, tp: int = 1, dp_encoder: boo
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--model", os.fspath(model_dir), "--dtype", dtype]
         command += ["--out", out, "--tp", str(tp)] + ["--dp-encoder"] * dp_encoder
-        proc = subprocess.Popen(
-            command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            failure = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            failure = f"no result after {timeout:.0f} s"
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # SGLang's subprocesses, should any outlive the engine
-        if failure is None and not os.path.exists(out):
-            failure = "no result file"
-        if failure:
-            raise RuntimeError(
-                f"engine.py failed: {failure}\n"
-                f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end) ---\n{stderr[-6000:]}"
-            )
-        with open(out, encoding="utf-8") as f:
-            result = json.load(f)
-        result["log"] = stdout + stderr
-        return result
+        return inputs.run_script(command, child_env, out, timeout)
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ and ``towers()``, and its TRITON_INTERPRET),
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -160,25 +161,36 @@ def run_engine(
         command += ["--dtype", dtype, "--tp", str(tp), "--out", out]
         command += ["--mm-encoder-tp-mode", mode] if mode else []
         command += ["--skip-video"] if skip_video else []
-        proc = subprocess.Popen(
-            command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        return run_script(command, child_env, out, timeout)
+
+
+def run_script(command: list[str], env: dict, out: str, timeout: float) -> dict:
+    """Runs ``command`` (an engine script writing its JSON to ``out``) in its own process group with ``env``, kills
+    the whole group on a ``timeout`` and once it exits (engine processes that outlive it), and returns the JSON with
+    the script's output under ``"log"``. A failure raises ``RuntimeError`` with the ends of its stdout and stderr."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        failure = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        failure = f"no result after {timeout:.0f} s"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if failure is None and not os.path.exists(out):
+        failure = "no result file"
+    if failure:
+        raise RuntimeError(
+            f"{os.path.basename(command[1])} ({' '.join(command[2:])}) failed: {failure}\n"
+            f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end) ---\n{stderr[-6000:]}"
         )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            failure = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            failure = f"no result after {timeout:.0f} s"
-        if failure is None and not os.path.exists(out):
-            failure = "no result file"
-        if failure:
-            raise RuntimeError(
-                f"engine.py ({' '.join(command[2:])}) failed: {failure}\n"
-                f"--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end) ---\n{stderr[-6000:]}"
-            )
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    result["log"] = stdout + stderr
+    return result
 
 
 def main(argv=None) -> int:
