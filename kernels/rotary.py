@@ -209,13 +209,23 @@ def rotary_2d_reference(
 
 
 def rotary_2d_torch(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_theta: float = 10000.0, *, inverse: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    rope_theta: float = 10000.0,
+    *,
+    inverse: bool = False,
+    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary on the ops' torch path: :func:`rotary_2d_reference`'s arithmetic (fp32, float64 stays float64,
     one rounding per element to the inputs' dtype, the same bits) in fewer passes. The ``D / 2`` distinct angles'
     cos and sin are computed once for q and k, and each half of a head is rotated on its own, where the
     reference builds duplicated ``(T, D)`` tables and a rotated-half copy. Plain torch, so torch.compile
-    traces it and fuses each tensor's rotation into one loop. Returns new contiguous ``(q_rot, k_rot)``."""
+    traces it and fuses each tensor's rotation into one loop.
+
+    Returns new ``(q_rot, k_rot)`` of shape ``(T, H, D)``: contiguous, or with ``head_major`` views of contiguous
+    ``(H, T, D)`` tensors (each head's tokens adjacent, the layout torch's CPU attention reads fastest; same
+    values)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     inv_freq = rope_inv_freq(q.shape[-1], rope_theta, device=q.device, dtype=compute)
     # (T, 2, D/4) -> (T, 1, D/2): the row's angles, then the column's, as every head's first half holds them.
@@ -223,12 +233,17 @@ def rotary_2d_torch(
     cos, sin = angles.cos(), angles.sin()
     if inverse:
         sin = -sin
-    return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+    if not head_major:
+        return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+    cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
+    q_rot, k_rot = (_rotate_halves(x.transpose(0, 1), cos, sin).transpose(0, 1) for x in (q, k))
+    return q_rot, k_rot
 
 
 def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` rotated NeoX style by angles whose cos and sin are ``(T, 1, D / 2)``: ``[x1 cos - x2 sin | x2 cos + x1
-    sin]``, computed in cos's dtype and rounded once into a new contiguous tensor of x's dtype."""
+    """``x (..., D)`` rotated NeoX style by angles whose cos and sin broadcast to ``(..., D / 2)``: ``[x1 cos - x2
+    sin | x2 cos + x1 sin]``, computed in cos's dtype and rounded once into a new contiguous tensor of x's
+    dtype."""
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)

@@ -60,10 +60,10 @@ def vision_attn(
     rope_theta: float = 10000.0,
 ) -> torch.Tensor:
     """``torch.ops.qvl.vision_attn`` on the torch path, arguments and result as the op's: with ``positions`` q and k
-    are rotated here (traced, so compiled code fuses the rotation), then the op attends
-    (:func:`~qvl.kernels.attention.forward.vision_attn_sdpa`) without rotating again."""
+    are rotated here (traced, so compiled code fuses the rotation) into the head-major layout the op attends in,
+    then the op attends (:func:`~qvl.kernels.attention.forward.vision_attn_sdpa`) without rotating again."""
     if positions is not None:
-        q, k = rotary_2d(q, k, positions, rope_theta)
+        q, k = rotary_2d(q, k, positions, rope_theta, head_major=True)
     return torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale)
 
 

@@ -277,19 +277,31 @@ def block_step(
         h = _norm(block.norm1, x)
     else:
         x, h = _add_norm(block.norm1, x, delta)
+    # The attention's qkv and output die inside _attention, before the MLP's (T, intermediate) activation exists.
+    x, h = _add_norm(block.norm2, x, _attention(block, h, windowed, spec, inputs, all_reduce, linear))
+    return x, _mlp(block.mlp, h, spec, all_reduce, linear)
+
+
+def _attention(
+    block: nn.Module,
+    h: torch.Tensor,
+    windowed: bool,
+    spec: TowerSpec,
+    inputs: DeviceInputs,
+    all_reduce: AllReduce | None,
+    linear: LinearParts,
+) -> torch.Tensor:
+    """The block's attention on the normed stream ``h (T, C)``: qkv, rotary and attention, output projection."""
     if windowed:
         segments, max_seqlen = inputs.cu_window_seqlens, spec.window_tokens
     else:
         segments, max_seqlen = inputs.cu_seqlens, inputs.max_seqlen
-    attn = block.attn
     qkv = row_parallel_linear(column_parallel_input(h, all_reduce), *linear(part(block, spec.names.attn_qkv)), None)
     q, k, v = qkv.view(qkv.shape[0], 3, spec.num_heads, spec.head_dim).unbind(1)
     a = ops_for(q.device).vision_attn(
         q, k, v, segments, max_seqlen=max_seqlen, positions=inputs.positions, rope_theta=spec.rope_theta
     )
-    a = row_parallel_linear(a.flatten(1), *linear(attn.proj), all_reduce)
-    x, h = _add_norm(block.norm2, x, a)
-    return x, _mlp(block.mlp, h, spec, all_reduce, linear)
+    return row_parallel_linear(a.flatten(1), *linear(block.attn.proj), all_reduce)
 
 
 def merger_step(

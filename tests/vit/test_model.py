@@ -169,6 +169,31 @@ def test_compiled_peak_memory_not_above_eager(device):
     assert peaks["compiled"] <= peaks["eager"], peaks
 
 
+def test_eager_peak_memory_on_the_torch_path_below_transformers():
+    """On a CPU, one image through Qwen3-VL-8B's block proportions (head dim 72, MLP width 3.7 x hidden): the eager
+    tower on the torch path holds at most 90% of the tensor bytes transformers' model with sdpa holds at once.
+
+    Counted in ``(T, C)`` units: qvl peaks in attention with about 10 alive (the stream, its norm, qkv's 3, the
+    rotated q and k, v and the output head-major, a few small ones), transformers in its MLP with about 12.4 (its
+    stream and norm and leftovers, then the MLP's activation twice at 3.7 each, GELU not being in place). Each
+    block releases its qkv and attention output before its MLP's activation is allocated; with them alive beside
+    it, qvl held 98% of transformers' bytes here (and 101% at the full 8B width)."""
+    hf = hf_vision_model(
+        depth=2, hidden_size=288, num_heads=4, intermediate_size=1076, out_hidden_size=256, deepstack_visual_indexes=[0]
+    )
+    tower = VisionTransformer.from_hf(hf).eval()
+    grid = [[1, 32, 32]]
+    pixels, grid_thw = pixel_values_for(grid), torch.tensor(grid)
+    runs = {"qvl": lambda: tower(pixels, grid_thw), "transformers": lambda: hf(pixels, grid_thw=grid_thw)}
+    peaks = {}
+    with torch.no_grad(), force_backend("torch"), one_intra_op_thread():
+        for name, run in runs.items():
+            run()
+            gc.collect()
+            peaks[name] = peak_tensor_bytes(run, "cpu")
+    assert peaks["qvl"] <= 0.9 * peaks["transformers"], peaks
+
+
 def test_soak_memory_does_not_grow():
     """Hundreds of small batches of varying sizes in one process leave no tensor memory behind.
 
