@@ -60,7 +60,7 @@ QUICK_TOWER = VisionConfig(
     depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=64, deepstack_visual_indexes=(0,)
 )
 QUICK_WORKLOADS: dict[str, Grid] = {"1 x 64": ((1, 8, 8),), "4 x 16": ((1, 4, 4),) * 4}
-REPS = 3
+REPS = 5
 QUICK_REPS = 2
 BASELINE = "transformers"
 IMPLS = (BASELINE, "qvl", "qvl compiled", "vLLM", "vLLM + qvl")  # the table's columns, left to right

@@ -215,7 +215,7 @@ def rotary_2d_torch(
     rope_theta: float = 10000.0,
     *,
     inverse: bool = False,
-    head_major: bool = False,
+    k_head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary on the ops' torch path: :func:`rotary_2d_reference`'s arithmetic (fp32, float64 stays float64,
     one rounding per element to the inputs' dtype, the same bits) in fewer passes. The ``D / 2`` distinct angles'
@@ -223,9 +223,9 @@ def rotary_2d_torch(
     reference builds duplicated ``(T, D)`` tables and a rotated-half copy. Plain torch, so torch.compile
     traces it and fuses each tensor's rotation into one loop.
 
-    Returns new ``(q_rot, k_rot)`` of shape ``(T, H, D)``: contiguous, or with ``head_major`` views of contiguous
-    ``(H, T, D)`` tensors (each head's tokens adjacent, the layout torch's CPU attention reads fastest; same
-    values)."""
+    Returns new ``(q_rot, k_rot)`` of shape ``(T, H, D)``, contiguous; with ``k_head_major``, ``k_rot`` is a view of
+    a contiguous ``(H, T, D)`` tensor instead (each head's keys adjacent, as torch's CPU attention reads them
+    fastest; same values)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     inv_freq = rope_inv_freq(q.shape[-1], rope_theta, device=q.device, dtype=compute)
     # (T, 2, D/4) -> (T, 1, D/2): the row's angles, then the column's, as every head's first half holds them.
@@ -233,11 +233,10 @@ def rotary_2d_torch(
     cos, sin = angles.cos(), angles.sin()
     if inverse:
         sin = -sin
-    if not head_major:
+    if not k_head_major:
         return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
-    cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
-    q_rot, k_rot = (_rotate_halves(x.transpose(0, 1), cos, sin).transpose(0, 1) for x in (q, k))
-    return q_rot, k_rot
+    by_head = _rotate_halves(k.transpose(0, 1), cos.transpose(0, 1), sin.transpose(0, 1))
+    return _rotate_halves(q, cos, sin), by_head.transpose(0, 1)
 
 
 def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from .attention.forward import vision_attn_sdpa
+from .attention.forward import head_major, vision_attn_sdpa
 from .common import backend_for
 from .gelu import bias_gelu_torch as bias_gelu
 from .gelu import bias_gelu_torch_ as bias_gelu_
@@ -60,10 +60,13 @@ def vision_attn(
     rope_theta: float = 10000.0,
 ) -> torch.Tensor:
     """``torch.ops.qvl.vision_attn`` on the torch path, arguments and result as the op's: with ``positions`` q and k
-    are rotated here (traced, so compiled code fuses the rotation) into the head-major layout the op attends in,
-    then the op attends (:func:`~qvl.kernels.attention.forward.vision_attn_sdpa`) without rotating again."""
+    are rotated here (traced, so compiled code fuses the rotation), then the op attends
+    (:func:`~qvl.kernels.attention.forward.vision_attn_sdpa`) without rotating again. k and v are put in the
+    head-major layout the op attends on here too: in compiled code the copies join the loops that read the packed
+    qkv, which then dies before the attention runs."""
     if positions is not None:
-        q, k = rotary_2d(q, k, positions, rope_theta, head_major=True)
+        q, k = rotary_2d(q, k, positions, rope_theta, k_head_major=True)
+    k, v = head_major(k), head_major(v)
     return torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale)
 
 

@@ -51,6 +51,7 @@ from .config import (
 __all__ = [
     "check_attn_args",
     "equal_length_runs",
+    "head_major",
     "load_rows",
     "program_tile",
     "vision_attn",
@@ -517,15 +518,15 @@ def vision_attn_sdpa(
     accumulation) holds no ``S x S`` logits, so memory grows as O(S) where :func:`vision_attn_reference` holds
     ``H x S^2`` fp32 logits per segment.
 
-    With ``positions`` q and k are rotated once first (:func:`~qvl.kernels.rotary.rotary_2d_torch`), into the
-    head-major layout (:func:`_head_major`) that q, k and v all take before attending. Each run of consecutive
-    segments of one length (a video's frames, a batch of same-size images) is one call, its segments a batch dim
-    of strided views; empty segments are skipped. Reads ``cu_seqlens`` on the host. Returns a new contiguous
+    With ``positions`` q and k are rotated once first (:func:`~qvl.kernels.rotary.rotary_2d_torch`), k into the
+    head-major layout (:func:`head_major`) that k and v take before attending. Each run of consecutive segments
+    of one length (a video's frames, a batch of same-size images) is one call, its segments a batch dim of
+    strided views; empty segments are skipped. Reads ``cu_seqlens`` on the host. Returns a new contiguous
     ``(T, H, D)`` tensor in q's dtype.
     """
     if positions is not None:
-        q, k = rotary_2d_torch(q, k, positions, rope_theta, head_major=True)
-    q, k, v = _head_major(q), _head_major(k), _head_major(v)
+        q, k = rotary_2d_torch(q, k, positions, rope_theta, k_head_major=True)
+    k, v = head_major(k), head_major(v)
     num_tokens, num_heads, head_dim = q.shape
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     pieces = []
@@ -533,19 +534,20 @@ def vision_attn_sdpa(
         end = start + length * count
         batch = (x[start:end].view(count, length, num_heads, head_dim).transpose(1, 2) for x in (q, k, v))
         out = F.scaled_dot_product_attention(*batch, scale=scale)
-        # The kernel lays its output out as q; the op returns it token-major.
+        # The kernel lays its output out as q: token-major, then this is a view.
         pieces.append(out.transpose(1, 2).reshape(end - start, num_heads, head_dim).contiguous())
     if not pieces:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _head_major(x: torch.Tensor) -> torch.Tensor:
+def head_major(x: torch.Tensor) -> torch.Tensor:
     """``x (T, H, D)`` as a view of a contiguous ``(H, T, D)`` tensor: ``x`` itself where it is one, else a copy.
-    torch's CPU attention kernel runs faster on rows that lie next to each other: on 2-core Sapphire Rapids, 16
-    heads of 72, with v copied into this layout and the output copied back token-major, fp32 calls took 4% less
-    time at one 4,096-token segment and 7% less at four of 1,024 than on token-major views of a packed qkv (rows
-    ``3 H D`` apart); one of 1,024 and bf16 stayed within noise (best of 15, one run)."""
+    torch's CPU attention kernel sweeps every key and value for each block of queries, and runs faster when a head's
+    rows lie next to each other: on 2-core Sapphire Rapids, 16 heads of 72, with k and v in this layout (v
+    copied) and q token-major, fp32 calls took 3-12% less time at one 4,096-token segment and 4-5% less at four of
+    1,024 than on token-major views of a packed qkv (rows ``3 H D`` apart); one of 1,024, and bf16, moved by up to
+    4% either way (two runs, best of 15 each)."""
     by_head = x.transpose(0, 1)
     return x if by_head.is_contiguous() else by_head.contiguous().transpose(0, 1)
 

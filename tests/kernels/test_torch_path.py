@@ -69,16 +69,16 @@ def test_rotary_equals_the_reference_bit_for_bit(dtype):
         expected = rotary_2d_reference(q, k, positions, inverse=inverse)
         got = torch_path.rotary_2d(q, k, positions, inverse=inverse)
         assert all(torch.equal(g, e) and g.is_contiguous() for g, e in zip(got, expected, strict=True))
-        by_head = torch_path.rotary_2d(q, k, positions, inverse=inverse, head_major=True)
-        assert all(torch.equal(g, e) for g, e in zip(by_head, expected, strict=True))
-        assert all(g.transpose(0, 1).is_contiguous() for g in by_head)
+        q_rot, k_by_head = torch_path.rotary_2d(q, k, positions, inverse=inverse, k_head_major=True)
+        assert torch.equal(q_rot, expected[0]) and torch.equal(k_by_head, expected[1])
+        assert q_rot.is_contiguous() and k_by_head.transpose(0, 1).is_contiguous()
 
 
 @pytest.mark.parametrize("rotary", [False, True])
-def test_attention_reads_each_head_contiguously(monkeypatch, rotary):
-    """Views of a packed qkv reach torch's attention as views of head-major tensors (each head's rows adjacent, the
-    layout its CPU kernel reads fastest), per run of equal-length segments; already head-major inputs are not
-    copied again."""
+def test_attention_reads_keys_and_values_head_major(monkeypatch, rotary):
+    """k and v reach torch's attention as views of head-major tensors (each head's rows adjacent, the layout its CPU
+    kernel sweeps fastest), per run of equal-length segments; q goes as given (rotated: contiguous), so the output
+    comes back token-major without a copy; k and v already head-major are not copied again."""
     import qvl.kernels.attention.forward as forward
 
     layouts, sdpa = [], forward.F.scaled_dot_product_attention
@@ -86,24 +86,27 @@ def test_attention_reads_each_head_contiguously(monkeypatch, rotary):
     def recording(q, k, v, **kwargs):
         # A dim of size 1 has no meaningful stride.
         strides = [tuple(st if n > 1 else None for n, st in zip(x.shape, x.stride(), strict=True)) for x in (q, k, v)]
-        layouts.append(list(zip(strides, (x.untyped_storage().data_ptr() for x in (q, k, v)), strict=True)))
+        layouts.append((strides, [x.untyped_storage().data_ptr() for x in (q, k, v)]))
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(forward.F, "scaled_dot_product_attention", recording)
     q, k, v = packed_qkv(sum(LENGTHS), 2, 72, torch.float32, seed=4)
     positions = torch.randint(0, 40, (sum(LENGTHS), 2), dtype=torch.int32) if rotary else None
     with force_backend("torch"):
-        torch.ops.qvl.vision_attn(q, k, v, cu_seqlens_of(LENGTHS), positions=positions)
-    tokens = sum(LENGTHS)
-    for (start, length, _), run in zip(equal_length_runs(cu_seqlens_of(LENGTHS).tolist()), layouts, strict=True):
-        # (segments, heads, rows, head dim): rows 72 apart, heads a whole (tokens, 72) block apart.
-        expected = (tokens * 72, 72 if length > 1 else None, 1)
-        assert [stride[1:] for stride, _ in run] == [expected] * 3, (start, length)
-    by_head = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v)]
+        out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens_of(LENGTHS), positions=positions)
+    assert out.is_contiguous()
+    tokens, runs = sum(LENGTHS), equal_length_runs(cu_seqlens_of(LENGTHS).tolist())
+    for (_, length, _), (strides, _) in zip(runs, layouts, strict=True):
+        rows = 72 if length > 1 else None
+        # (segments, heads, rows, head dim): k and v rows 72 apart, heads a whole (tokens, 72) block apart.
+        assert strides[1][1:] == strides[2][1:] == (tokens * 72, rows, 1), length
+        q_rows = (2 if rotary else 6) * 72 if length > 1 else None
+        assert strides[0][1:] == (72, q_rows, 1), length
+    k_by_head, v_by_head = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (k, v))
     layouts.clear()
     with force_backend("torch"):
-        torch.ops.qvl.vision_attn(*by_head, cu_seqlens_of(LENGTHS))
-    assert {ptr for _, ptr in layouts[0]} == {x.untyped_storage().data_ptr() for x in by_head}
+        torch.ops.qvl.vision_attn(q, k_by_head, v_by_head, cu_seqlens_of(LENGTHS))
+    assert layouts[0][1][1:] == [x.untyped_storage().data_ptr() for x in (k_by_head, v_by_head)]
 
 
 def test_attention_memory_grows_linearly():
