@@ -46,15 +46,16 @@ class Measurement:
     source: str
 
 
-_BENCH_2026_12_03 = "cpu-intel-r-xeon-r-processor-2026-12-03.txt"
+_BENCH_2026_12_03 = "cpu-intel-r-xeon-r-processor-2026-12-03-run3.txt"
 _SGLANG_BENCH_2026_12_03 = "cpu-sglang-0.5.23-intel-r-xeon-r-processor-2026-12-03.txt"
 # (engine, dtype) -> the measurement the default decision follows; an engine or dtype not listed steps aside.
 MEASURED: dict[tuple[str, torch.dtype], Measurement] = {
     # vLLM 0.32.0's CPU build: its tower on qvl's route ("vLLM + qvl") over its own ("vLLM"), worst of the 1 x 1,024,
-    # 1 x 4,096 and 4 x 1,024 patch workloads (1.01 / 1.04 / 1.06 in fp32, 1.16 / 1.14 / 1.25 in bf16): vLLM's own
-    # tower, on the same oneDNN linears and torch's SDPA, is faster, so the route steps aside.
-    ("vllm", torch.float32): Measurement(1.06, _BENCH_2026_12_03),
-    ("vllm", torch.bfloat16): Measurement(1.25, _BENCH_2026_12_03),
+    # 1 x 4,096 and 4 x 1,024 patch workloads (0.97 / 0.91 / 0.95 in fp32, 1.07 / 1.04 / 1.16 in bf16; both towers
+    # run vLLM's oneDNN linears): the route takes fp32, where its attention layout and fewer passes win, and steps
+    # aside in bf16.
+    ("vllm", torch.float32): Measurement(0.97, _BENCH_2026_12_03),
+    ("vllm", torch.bfloat16): Measurement(1.16, _BENCH_2026_12_03),
     # SGLang 0.5.23 on its generic CPU platform: its Qwen3-VL tower on qvl's routes ("SGLang + qvl") over its own
     # ("SGLang": sdpa ViT backend, which masks the whole batch at once), worst of the same workloads (0.90 / 0.58 /
     # 0.38 in fp32, 0.43 / 0.11 / 0.15 in bf16): the routes take it.
