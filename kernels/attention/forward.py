@@ -534,7 +534,7 @@ def vision_attn_sdpa(
         end = start + length * count
         batch = (x[start:end].view(count, length, num_heads, head_dim).transpose(1, 2) for x in (q, k, v))
         out = F.scaled_dot_product_attention(*batch, scale=scale)
-        # The kernel lays its output out as q: token-major, then this is a view.
+        # The kernel lays its output out like q: a view where q is token-major (rotated q is), else a copy.
         pieces.append(out.transpose(1, 2).reshape(end - start, num_heads, head_dim).contiguous())
     if not pieces:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)

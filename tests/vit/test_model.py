@@ -174,7 +174,7 @@ def test_eager_peak_memory_on_the_torch_path_below_transformers():
     tower on the torch path holds at most 90% of the tensor bytes transformers' model with sdpa holds at once.
 
     Counted in ``(T, C)`` units: qvl peaks in attention with about 10 alive (the stream, its norm, qkv's 3, the
-    rotated q and k, v and the output head-major, a few small ones), transformers in its MLP with about 12.4 (its
+    rotated q, k and v's head-major copy, the output, a few small ones), transformers in its MLP with about 12.4 (its
     stream and norm and leftovers, then the MLP's activation twice at 3.7 each, GELU not being in place). Each
     block releases its qkv and attention output before its MLP's activation is allocated; with them alive beside
     it, qvl held 98% of transformers' bytes here (and 101% at the full 8B width)."""
