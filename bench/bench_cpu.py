@@ -22,7 +22,10 @@ implementations run in turns, ``REPS`` rounds, and each keeps its best time: the
 alike. ``ratio`` is an implementation's time over transformers' in the same workload; the compiled column is qvl
 compiled over transformers eager. Peak memory: the most tensor bytes alive at once during one more call, above
 those alive before it (the profiler's allocation events, :func:`bench.harness.peak_tensor_bytes`): activations and
-scratch, not the weights. Every output is checked against transformers' (max relative error, reported).
+scratch, not the weights. Every output is checked against transformers' (max relative error, reported). Floor:
+the time one call of qvl's compiled tower spends inside its GEMMs and torch's attention kernel (the profiler's own
+time of those ops), over transformers' time: the kernels transformers' forward calls too, at the same shapes, so
+that ratio bounds what any schedule of the rest can reach on this machine.
 
 ``--quick``: a tiny tower and small images, two rounds, the compiled tower through Dynamo alone (``backend="eager"``,
 no C++ compile): the test suite's smoke run of these code paths, whose numbers mean nothing.
@@ -63,8 +66,12 @@ QUICK_WORKLOADS: dict[str, Grid] = {"1 x 64": ((1, 8, 8),), "4 x 16": ((1, 4, 4)
 REPS = 5
 QUICK_REPS = 2
 BASELINE = "transformers"
-IMPLS = (BASELINE, "qvl", "qvl compiled", "vLLM", "vLLM + qvl")  # the table's columns, left to right
+# The table's columns, left to right.
+IMPLS = (BASELINE, "qvl", "qvl compiled", "vLLM", "vLLM + qvl", "SGLang", "SGLang + qvl")
 MiB = 2**20
+# The implementation whose kernel time is the floor column: the GEMMs and attention calls of qvl's compiled tower,
+# which transformers' forward makes too (same shapes, same torch kernels), so no schedule around them runs faster.
+FLOOR_IMPL = "qvl compiled"
 
 Run = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (pixels, grid_thw on the CPU) -> merged features
 
@@ -76,6 +83,7 @@ class CpuTowerReport(harness.Report):
     the peak memory in MiB."""
 
     peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (case, impl) -> peak tensor bytes
+    floors: dict[str, float] = field(default_factory=dict)  # case -> ms of FLOOR_IMPL inside GEMMs and attention
 
     def table(self) -> str:
         cases = list(dict.fromkeys(r.case for r in self.records))
@@ -83,6 +91,7 @@ class CpuTowerReport(harness.Report):
         times = {(r.case, r.impl): r.ms for r in self.records}
         header = ["case", f"{BASELINE} ms"]
         header += [f"{impl} / {BASELINE}" for impl in present[1:]]
+        header += [f"floor / {BASELINE}"] if self.floors else []
         header += [f"peak MiB {impl}" for impl in present]
         rows = []
         for case in cases:
@@ -91,6 +100,9 @@ class CpuTowerReport(harness.Report):
             for impl in present[1:]:
                 ms = times.get((case, impl))
                 row.append("-" if ms is None or base is None else f"{ms / base:.2f} ({ms:.0f} ms)")
+            if self.floors:
+                floor = self.floors.get(case)
+                row.append("-" if floor is None or base is None else f"{floor / base:.2f} ({floor:.0f} ms)")
             for impl in present:
                 peak = self.peaks.get((case, impl))
                 row.append("-" if peak is None else f"{peak / MiB:.0f}")
@@ -109,6 +121,7 @@ class CpuTowerReport(harness.Report):
     def to_json(self) -> dict:
         data = super().to_json()
         data["peak_tensor_bytes"] = [{"case": c, "impl": i, "bytes": b} for (c, i), b in self.peaks.items()]
+        data["floor_ms"] = [{"case": c, "impl": FLOOR_IMPL, "ms": ms} for c, ms in self.floors.items()]
         return data
 
 
@@ -225,9 +238,13 @@ def run_dtype(report: CpuTowerReport, config: VisionConfig, workloads: dict[str,
             timing = harness.Timing(min(times[impl]), min(times[impl]), max(times[impl]))
             err = None if impl == BASELINE else errors[impl]
             report.add(case, impl, timing, tower_flops(config, grid_thw), err, note=f"peak {peak / MiB:.0f} MiB")
+        floor = 1e3 * harness.cpu_op_seconds(
+            lambda: runs[FLOOR_IMPL](pixels, grid), harness.CPU_GEMM_OPS | harness.CPU_ATTENTION_OPS
+        )
+        report.floors[case] = floor
         base = min(times[BASELINE])
         ratios = ", ".join(f"{impl} {min(times[impl]) / base:.2f}" for impl in runs if impl != BASELINE)
-        print(f"{case}: {BASELINE} {base:.0f} ms; ratios {ratios}", flush=True)
+        print(f"{case}: {BASELINE} {base:.0f} ms; ratios {ratios}, floor {floor / base:.2f}", flush=True)
 
 
 def benchmark(dtypes: Sequence[torch.dtype], quick: bool) -> CpuTowerReport:
@@ -241,6 +258,9 @@ def benchmark(dtypes: Sequence[torch.dtype], quick: bool) -> CpuTowerReport:
     )
     report.notes.append(
         f"ratio = time / {BASELINE}' (eager, sdpa) in the same case; peak = tensor bytes above the start"
+    )
+    report.notes.append(
+        f"floor = time one {FLOOR_IMPL} call spent inside its GEMMs and attention kernels (profiler, own time)"
     )
     if quick:
         report.notes.append("--quick: tiny tower, compiled through Dynamo alone; the numbers mean nothing")

@@ -169,6 +169,21 @@ def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int =
     return Timing(statistics.median(times), cuts[0], cuts[-1])
 
 
+# CPU GEMM and attention kernels as the profiler names them (self time: the wrappers above them hold none of it).
+CPU_GEMM_OPS = frozenset({"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"})
+CPU_ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})
+
+
+def cpu_op_seconds(run: Callable[[], Any], ops: frozenset[str]) -> float:
+    """Seconds the CPU spent inside the ops named ``ops`` (their own time, not their callers') during one
+    ``run()``, from the profiler: e.g. how much of a forward no scheduling around those kernels can remove."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(event.self_cpu_time_total for event in prof.key_averages() if event.key in ops) / 1e6
+
+
 # --------------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------------

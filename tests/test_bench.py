@@ -160,6 +160,9 @@ def test_cpu_tower_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         assert (r["max_rel_err"] is None) == (r["impl"] == "transformers")
     assert {(p["case"], p["impl"]) for p in data["peak_tensor_bytes"]} == {(c, i) for c in cases for i in impls}
     assert all(p["bytes"] > 0 for p in data["peak_tensor_bytes"])
+    # The floor: qvl compiled's GEMM and attention time, once per case.
+    assert [(f["case"], f["impl"]) for f in data["floor_ms"]] == [(c, "qvl compiled") for c in cases]
+    assert all(math.isfinite(f["ms"]) and f["ms"] > 0 for f in data["floor_ms"])
     if importlib.util.find_spec("vllm") is None:
         assert data["skipped"]["vLLM (float32)"] == "vllm is not installed"
     header, _, *rows = out.rstrip().splitlines()[-2 - len(cases) :]

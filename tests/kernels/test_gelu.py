@@ -17,7 +17,7 @@ from transformers.activations import QuickGELUActivation
 from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionMlp
 
 from conftest import norm_params, row_strided
-from qvl.kernels import force_backend
+from qvl.kernels import force_backend, torch_path
 from qvl.kernels.gelu import bias_gelu_reference
 from tolerance import assert_error_within
 from towers import float64_copy
@@ -118,6 +118,28 @@ def test_compile_dynamic_rows_no_recompile(path, device):
             with stance:
                 got = compiled(x)
             assert_error_within(got, gelus_in_torch(x.double()), gelus_in_torch(x), what=f"{rows} rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_tanh_gelu_compiled(dtype):
+    """The torch path's tanh GELU as Inductor compiles it on CPU (written ``v * sigmoid(2u)`` when traced), out of
+    place and in place, against float64: the saturated tails exact, the rest within the suite's rule."""
+    torch.manual_seed(7)
+    x, bias = gelu_inputs(96, 300, dtype, "cpu")
+
+    def both(x):
+        h = x.clone()
+        torch_path.bias_gelu_(h, bias, "tanh")
+        return torch_path.bias_gelu(x, bias, "tanh"), h
+
+    torch._dynamo.reset()
+    truth = bias_gelu_reference(x.double(), bias.double(), "tanh")
+    saturated = (x.float() + bias.float()).abs() >= 40
+    eager = F.gelu(x + bias, approximate="tanh")
+    for y in torch.compile(both, fullgraph=True)(x):
+        assert y.dtype == dtype and y.is_contiguous()
+        assert torch.equal(y[saturated], truth[saturated].to(dtype))
+        assert_error_within(y[~saturated], truth[~saturated], eager[~saturated], what="compiled torch-path tanh gelu")
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
