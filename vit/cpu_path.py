@@ -46,21 +46,21 @@ class Measurement:
     source: str
 
 
-_BENCH_2026_12_03 = "cpu-intel-r-xeon-r-processor-2026-12-03-run3.txt"
-_SGLANG_BENCH_2026_12_03 = "cpu-sglang-0.5.23-intel-r-xeon-r-processor-2026-12-03.txt"
+_BENCH = "cpu-intel-r-xeon-r-processor-2026-12-04.txt"
+_SGLANG_BENCH = "cpu-sglang-0.5.23-intel-r-xeon-r-processor-2026-12-04.txt"
 # (engine, dtype) -> the measurement the default decision follows; an engine or dtype not listed steps aside.
 MEASURED: dict[tuple[str, torch.dtype], Measurement] = {
     # vLLM 0.32.0's CPU build: its tower on qvl's route ("vLLM + qvl") over its own ("vLLM"), worst of the 1 x 1,024,
-    # 1 x 4,096 and 4 x 1,024 patch workloads (0.97 / 0.91 / 0.95 in fp32, 1.07 / 1.04 / 1.16 in bf16; both towers
+    # 1 x 4,096 and 4 x 1,024 patch workloads (0.98 / 0.96 / 0.94 in fp32, 1.13 / 1.04 / 1.18 in bf16; both towers
     # run vLLM's oneDNN linears): the route takes fp32, where its attention layout and fewer passes win, and steps
     # aside in bf16.
-    ("vllm", torch.float32): Measurement(0.97, _BENCH_2026_12_03),
-    ("vllm", torch.bfloat16): Measurement(1.16, _BENCH_2026_12_03),
+    ("vllm", torch.float32): Measurement(0.98, _BENCH),
+    ("vllm", torch.bfloat16): Measurement(1.18, _BENCH),
     # SGLang 0.5.23 on its generic CPU platform: its Qwen3-VL tower on qvl's routes ("SGLang + qvl") over its own
-    # ("SGLang": sdpa ViT backend, which masks the whole batch at once), worst of the same workloads (0.90 / 0.58 /
-    # 0.38 in fp32, 0.43 / 0.11 / 0.15 in bf16): the routes take it.
-    ("sglang", torch.float32): Measurement(0.90, _SGLANG_BENCH_2026_12_03),
-    ("sglang", torch.bfloat16): Measurement(0.43, _SGLANG_BENCH_2026_12_03),
+    # ("SGLang": sdpa ViT backend, which masks the whole batch at once), worst of the same workloads (0.67 / 0.37 /
+    # 0.26 in fp32, 0.32 / 0.13 / 0.09 in bf16): the routes take it.
+    ("sglang", torch.float32): Measurement(0.67, _SGLANG_BENCH),
+    ("sglang", torch.bfloat16): Measurement(0.32, _SGLANG_BENCH),
 }
 
 
