@@ -2,17 +2,18 @@
 # The one prepared call for a lent GPU machine: bash bench/device_check.sh [--full]   (default: --quick)
 #
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
-# Phases, each under its own timeout so that one hang cannot spend the lease (at most 9.5 minutes in all, under the
-# device tool's 10-minute command limit; about 8 with --quick):
+# Phases, each under its own timeout so that one hang cannot spend the lease (at most 7.5 minutes in all, so that a
+# 15-minute lease holds its start and one rerun):
 #   1. device, driver, versions, commit                                                   device.txt
 #   2. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
 #      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory  gpu_tests.log
 #   3. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
-#   4. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 90); it writes
+#   4. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 40); it writes
 #      kernels/attention_tiles.json, which the benchmarks after it then use                      tune.log, attention_tiles.json
-#   5. every benchmark, with plots (python -m bench)                                           *.json, *.png, bench.log
+#   5. every GPU benchmark, with plots (python -m bench; not bench_cpu, whose subject is a CPU) *.json, *.png, bench.log
 # Everything goes to bench/results/run-<date>/. Under the device tool ($OUT set, which brings back at most 8 files)
-# that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it.
+# that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
+# phase: a run cut short by the tool's limit still brings back the phases it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stamp="run-$(date -u +%Y%m%d)"
@@ -24,7 +25,14 @@ export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYT
 quick=--quick
 [ "${1:-}" = "--full" ] && quick=
 started=$SECONDS
-phase() { echo "=== $1 (at $((SECONDS - started)) s)"; }
+ship() {
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
+  for f in device.txt attention_tiles.json; do [ -f "$out/$f" ] && cp "$out/$f" "$OUT/"; done
+  for log in gpu_tests tune bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
+  return 0
+}
+phase() { ship; echo "=== $1 (at $((SECONDS - started)) s)"; }
 
 phase device
 {
@@ -36,12 +44,12 @@ phase device
 } 2>&1 | tee "$out/device.txt"
 
 phase "CUDA tests"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py \
+timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py \
   -k "(gpu or cuda or bf16 or int64 or peak) and not cuda_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
 phase memcheck
 if command -v compute-sanitizer >/dev/null; then
-  timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+  timeout 50 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
 import torch
 import qvl.kernels  # noqa: F401
 torch.manual_seed(0)
@@ -60,15 +68,10 @@ else
 fi
 
 phase "tile sweep"
-timeout 150 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-90}" 2>&1 | tee "$out/tune.log" | tail -12
+timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&1 | tee "$out/tune.log" | tail -12
 cp kernels/attention_tiles.json "$out/attention_tiles.json"
 
 phase benchmarks
-timeout 240 python3 -m bench $quick --dtype bf16 --json-dir "$out" 2>&1 | tee "$out/bench.log" | tail -80
+timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \
+  --only attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
 phase done
-
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
-  cp "$out/device.txt" "$out/attention_tiles.json" "$OUT/"
-  for log in gpu_tests tune bench; do tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
-fi
