@@ -5,18 +5,18 @@
 # Phases, each under its own timeout so that one hang cannot spend the lease (at most 7.5 minutes in all, so that a
 # 15-minute lease holds its start and one rerun):
 #   1. device, driver, versions, commit                                                   device.txt
-#   2. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
+#   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 40); it writes
+#      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
+#   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
 #      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory  gpu_tests.log
-#   3. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
-#   4. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 40); it writes
-#      kernels/attention_tiles.json, which the benchmarks after it then use                      tune.log, attention_tiles.json
+#   4. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
 #   5. every GPU benchmark, with plots (python -m bench; not bench_cpu, whose subject is a CPU) *.json, *.png, bench.log
-# Everything goes to bench/results/run-<date>/. Under the device tool ($OUT set, which brings back at most 8 files)
+# Everything goes to bench/results/run-<date>-<UTC hhmm>/. Under the device tool ($OUT set: at most 8 files come back)
 # that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
 # phase: a run cut short by the tool's limit still brings back the phases it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stamp="run-$(date -u +%Y%m%d)"
+stamp="run-$(date -u +%Y%m%d-%H%M)"
 out="bench/results/$stamp"
 mkdir -p "$out"
 shim="$(mktemp -d)"
@@ -43,6 +43,10 @@ phase device
   git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/device.txt"
 
+phase "tile sweep"
+timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&1 | tee "$out/tune.log" | tail -12
+cp kernels/attention_tiles.json "$out/attention_tiles.json"
+
 phase "CUDA tests"
 timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py \
   -k "(gpu or cuda or bf16 or int64 or peak) and not cuda_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -15
@@ -66,10 +70,6 @@ EOF
 else
   echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
 fi
-
-phase "tile sweep"
-timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&1 | tee "$out/tune.log" | tail -12
-cp kernels/attention_tiles.json "$out/attention_tiles.json"
 
 phase benchmarks
 timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \

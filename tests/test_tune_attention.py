@@ -71,9 +71,11 @@ def test_merged_table_is_what_launch_config_reads(tmp_path, monkeypatch):
 
 
 def test_sweep_through_the_interpreter(monkeypatch):
-    """The sweep's own path on tiny segments: every candidate checked against the heuristic's output (and
-    agreeing), timed by the stand-in timer, one skipped by the compile step, the rest after the deadline."""
+    """The sweep's own path on tiny segments: every candidate checked against the reference on the timed and the
+    ragged batch (and agreeing), timed by the stand-in timer, one skipped by the compile step, the rest after the
+    deadline."""
     monkeypatch.setitem(tune.LAYOUTS, "long", (40, 9))
+    monkeypatch.setitem(tune.RAGGED, "long", (1, 0, 23))
     monkeypatch.setattr(tune, "NUM_HEADS", 1)
     case = tune.Case(72, torch.float16, "long")
     tiles_list = [c for c in tune.candidates("long") if c["num_stages"] == 2 and c["num_warps"] == 4][:4]

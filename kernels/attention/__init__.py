@@ -13,9 +13,8 @@ tokens, 16-bit head dims up to 128 take 64-row query tiles instead of 128-row on
 one tile rather than half of one (:func:`launch_work` counts the matmul work a launch executes). The program
 mapping is the same for every tile, so a hint smaller than a real segment is still correct, only slower.
 
-Head dims that are not a power of two are tiled as a power-of-two main part plus a narrow tail
-(72 = 64 + 16-wide tail holding 8 live columns), so the dot products do 80/72 of the needed work
-where padding to 128 would do 128/72.
+Head dims that are not a power of two are padded to the next one in the tiles (72 to 128, masked
+columns), so the dot products do 128/72 of the needed work; :func:`head_dim_tile` says why not less.
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
 
@@ -38,7 +37,7 @@ runs :func:`vision_attn_with_lse` instead (routed by the op's autograd keys): th
 also stores each row's log-sum-exp, so inference stores nothing more than the output. Its backward,
 :func:`vision_attn_backward`, rebuilds the probabilities from that log-sum-exp tile by tile in a dK/dV
 kernel and a dQ kernel (no ``(S x S)`` tensor, no atomics, the forward's grid formula, segment search and
-head-dim tiling; see the comment above the backward kernels in :mod:`.backward`). With ``positions`` it
+head-dim tile; see the comment above the backward kernels in :mod:`.backward`). With ``positions`` it
 rotates q and k again with the rotary kernel and rotates dq and dk back with its inverse.
 
 The package's modules: :mod:`.config` (launch and tile configuration: the tile table, the heuristic, TMA
@@ -59,7 +58,7 @@ from .config import (
     TILE_TABLE_PATH,
     AttentionWork,
     backward_launch_config,
-    head_dim_tiles,
+    head_dim_tile,
     launch_config,
     launch_work,
     segment_class,
@@ -84,7 +83,7 @@ __all__ = [
     "AttentionWork",
     "backward_launch_config",
     "equal_length_runs",
-    "head_dim_tiles",
+    "head_dim_tile",
     "launch_config",
     "launch_work",
     "segment_class",

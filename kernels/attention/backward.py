@@ -44,7 +44,7 @@ __all__ = [
 #   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ = dS K * scale,   dK = dS^T Q * scale.
 # Two kernels share the work without atomics (so results are deterministic): one program per key block
 # accumulates dK and dV over the query blocks of its segment, one per query block accumulates dQ over the
-# key blocks. Both use the forward's grid formula and segment search, and its head-dim tiling.
+# key blocks. Both use the forward's grid formula and segment search, and its head-dim tile.
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_delta_kernel(
@@ -87,15 +87,13 @@ def _store_rows(base, rows, stride_t, offs_d, row_mask, x, HEAD_DIM: tl.constexp
 @triton.jit
 def _attn_bwd_dkdv_q_block(
     # the key block's running gradients
-    dk_main,
-    dk_tail,
-    dv_main,
-    dv_tail,
+    dk,
+    dv,
     # the query block's first query in the segment
     m_start,
-    # what the query loop reads (see the dK/dV kernel): the key block's resident (k_main, k_tail, v_main,
-    # v_tail) tiles, (Q, DO, Lse, Delta, stride_qt, stride_dot) at the segment's first token, the segment's
-    # length, the (main, tail) head-dim columns and the logits' scale
+    # what the query loop reads (see the dK/dV kernel): the key block's resident (k, v) tiles, (Q, DO, Lse,
+    # Delta, stride_qt, stride_dot) at the segment's first token, the segment's length, the head-dim columns
+    # and the logits' scale
     kv,
     queries,
     seqlen,
@@ -103,7 +101,6 @@ def _attn_bwd_dkdv_q_block(
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -112,18 +109,13 @@ def _attn_bwd_dkdv_q_block(
     """Add the queries ``[m_start, m_start + BLOCK_M)`` of the segment to one key block's dK and dV; ``MASK_Q`` for
     the ragged last block. Works on transposed tiles, keys x queries, so that P^T and dS^T come out of the dots in
     the orientation dV and dK take them."""
-    k_main, k_tail, v_main, v_tail = kv
+    k, v = kv
     Q, DO, Lse, Delta, stride_qt, stride_dot = queries
-    offs_dm, offs_dt = offs_d
     offs_m = m_start + tl.arange(0, BLOCK_M)
     q_mask = offs_m < seqlen
     rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-    q_main = load_rows(Q, rows, stride_qt, offs_dm, q_mask, HEAD_DIM, MASK_Q)
-    s_t = tl.dot(k_main, tl.trans(q_main), input_precision=DOT_PRECISION)
-    q_tail = q_main
-    if HAS_TAIL:
-        q_tail = load_rows(Q, rows, stride_qt, offs_dt, q_mask, HEAD_DIM, MASK_Q)
-        s_t = tl.dot(k_tail, tl.trans(q_tail), s_t, input_precision=DOT_PRECISION)
+    q = load_rows(Q, rows, stride_qt, offs_d, q_mask, HEAD_DIM, MASK_Q)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     if MASK_Q:
         # Rows past the segment get lse = +inf: probability 0, so they add nothing.
         lse = tl.load(Lse + offs_m, mask=q_mask, other=float("inf"))
@@ -134,18 +126,12 @@ def _attn_bwd_dkdv_q_block(
     p_t = tl.exp2(s_t * qk_scale - (lse * LOG2E)[None, :])
     p_low = p_t.to(Q.dtype.element_ty)
 
-    do_main = load_rows(DO, rows, stride_dot, offs_dm, q_mask, HEAD_DIM, MASK_Q)
-    dv_main = tl.dot(p_low, do_main, dv_main, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v_main, tl.trans(do_main), input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        do_tail = load_rows(DO, rows, stride_dot, offs_dt, q_mask, HEAD_DIM, MASK_Q)
-        dv_tail = tl.dot(p_low, do_tail, dv_tail, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v_tail, tl.trans(do_tail), dp_t, input_precision=DOT_PRECISION)
+    do = load_rows(DO, rows, stride_dot, offs_d, q_mask, HEAD_DIM, MASK_Q)
+    dv = tl.dot(p_low, do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
-    dk_main = tl.dot(ds_t, q_main, dk_main, input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        dk_tail = tl.dot(ds_t, q_tail, dk_tail, input_precision=DOT_PRECISION)
-    return dk_main, dk_tail, dv_main, dv_tail
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -175,21 +161,6 @@ def _bwd_input_bases(Q, K, V, DO, Lse, Delta, first, head_64, num_tokens, stride
         Lse + head_64 * num_tokens + first,
         Delta + head_64 * num_tokens + first,
     )
-
-
-@triton.jit
-def _load_row_pair(A, B, rows, stride_at, stride_bt, offs_d, row_mask, HEAD_DIM: tl.constexpr, HAS_TAIL: tl.constexpr):
-    """The same rows of two tensors, zeros outside ``row_mask``, at the ``(main, tail)`` columns ``offs_d``:
-    ``(a_main, b_main, a_tail, b_tail)``; without a tail the tail names hold the main tiles again, unused (Triton
-    binds names on both paths)."""
-    offs_dm, offs_dt = offs_d
-    a_main = load_rows(A, rows, stride_at, offs_dm, row_mask, HEAD_DIM, True)
-    b_main = load_rows(B, rows, stride_bt, offs_dm, row_mask, HEAD_DIM, True)
-    a_tail, b_tail = a_main, b_main
-    if HAS_TAIL:
-        a_tail = load_rows(A, rows, stride_at, offs_dt, row_mask, HEAD_DIM, True)
-        b_tail = load_rows(B, rows, stride_bt, offs_dt, row_mask, HEAD_DIM, True)
-    return a_main, b_main, a_tail, b_tail
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
@@ -226,8 +197,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -247,8 +217,6 @@ def _attn_bwd_dkdv_kernel(
     seq_start, seqlen, n_start = program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_N)
 
     if n_start < seqlen:
-        HAS_TAIL: tl.constexpr = D_TAIL > 0
-        D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
         first = seq_start.to(tl.int64)
         head_64 = head.to(tl.int64)
         Q, K, V, DO, Lse, Delta = _bwd_input_bases(Q, K, V, DO, Lse, Delta, first, head_64, num_tokens, strides)
@@ -258,28 +226,21 @@ def _attn_bwd_dkdv_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         kv_mask = offs_n < seqlen
         kv_rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
-        offs_dm = tl.arange(0, D_MAIN)
-        offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
-        offs_d = (offs_dm, offs_dt)
+        offs_d = tl.arange(0, BLOCK_D)
         # Keys past the segment load as zeros; their dK and dV rows are never stored.
-        k_main, v_main, k_tail, v_tail = _load_row_pair(
-            K, V, kv_rows, stride_kt, stride_vt, offs_d, kv_mask, HEAD_DIM, HAS_TAIL
-        )
-        dk_main = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
-        dv_main = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
-        dk_tail = tl.zeros([BLOCK_N, D_TAIL_TILE], dtype=tl.float32)
-        dv_tail = tl.zeros([BLOCK_N, D_TAIL_TILE], dtype=tl.float32)
+        k = load_rows(K, kv_rows, stride_kt, offs_d, kv_mask, HEAD_DIM, True)
+        v = load_rows(V, kv_rows, stride_vt, offs_d, kv_mask, HEAD_DIM, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
         # What every query block reads (see _attn_bwd_dkdv_q_block).
-        kv = (k_main, k_tail, v_main, v_tail)
+        kv = (k, v)
         queries = (Q, DO, Lse, Delta, stride_qt, stride_dot)
         full_end = (seqlen // BLOCK_M) * BLOCK_M
         for m_start in range(0, full_end, BLOCK_M):
-            dk_main, dk_tail, dv_main, dv_tail = _attn_bwd_dkdv_q_block(
-                dk_main,
-                dk_tail,
-                dv_main,
-                dv_tail,
+            dk, dv = _attn_bwd_dkdv_q_block(
+                dk,
+                dv,
                 m_start,
                 kv,
                 queries,
@@ -287,18 +248,15 @@ def _attn_bwd_dkdv_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_M,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_Q=False,
             )
         if full_end < seqlen:
-            dk_main, dk_tail, dv_main, dv_tail = _attn_bwd_dkdv_q_block(
-                dk_main,
-                dk_tail,
-                dv_main,
-                dv_tail,
+            dk, dv = _attn_bwd_dkdv_q_block(
+                dk,
+                dv,
                 full_end,
                 kv,
                 queries,
@@ -306,30 +264,25 @@ def _attn_bwd_dkdv_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_M,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_Q=True,
             )
 
-        _store_rows(DK, kv_rows, stride_dkt, offs_dm, kv_mask, dk_main * softmax_scale, HEAD_DIM)
-        _store_rows(DV, kv_rows, stride_dvt, offs_dm, kv_mask, dv_main, HEAD_DIM)
-        if HAS_TAIL:
-            _store_rows(DK, kv_rows, stride_dkt, offs_dt, kv_mask, dk_tail * softmax_scale, HEAD_DIM)
-            _store_rows(DV, kv_rows, stride_dvt, offs_dt, kv_mask, dv_tail, HEAD_DIM)
+        _store_rows(DK, kv_rows, stride_dkt, offs_d, kv_mask, dk * softmax_scale, HEAD_DIM)
+        _store_rows(DV, kv_rows, stride_dvt, offs_d, kv_mask, dv, HEAD_DIM)
 
 
 @triton.jit
 def _attn_bwd_dq_kv_block(
     # the query block's running gradient
-    dq_main,
-    dq_tail,
+    dq,
     # the key block's first key in the segment
     kv_start,
-    # what the key loop reads (see the dQ kernel): the query block's resident (q_main, q_tail, do_main, do_tail,
-    # lse2, delta), with lse2 the rows' log-sum-exp in base 2, (K, V, stride_kt, stride_vt) at the segment's
-    # first token, the segment's length, the (main, tail) head-dim columns and the logits' scale
+    # what the key loop reads (see the dQ kernel): the query block's resident (q, do, lse2, delta), with lse2
+    # the rows' log-sum-exp in base 2, (K, V, stride_kt, stride_vt) at the segment's first token, the segment's
+    # length, the head-dim columns and the logits' scale
     queries,
     kv,
     seqlen,
@@ -337,7 +290,6 @@ def _attn_bwd_dq_kv_block(
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -345,32 +297,21 @@ def _attn_bwd_dq_kv_block(
 ):
     """Add the keys ``[kv_start, kv_start + BLOCK_N)`` of the segment to one query block's dQ; ``MASK_KV`` for the
     ragged last block."""
-    q_main, q_tail, do_main, do_tail, lse2, delta = queries
+    q, do, lse2, delta = queries
     K, V, stride_kt, stride_vt = kv
-    offs_dm, offs_dt = offs_d
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
-    k_main = load_rows(K, rows, stride_kt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
-    s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
-    k_tail = k_main
-    if HAS_TAIL:
-        k_tail = load_rows(K, rows, stride_kt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
-        s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PRECISION)
+    k = load_rows(K, rows, stride_kt, offs_d, kv_mask, HEAD_DIM, MASK_KV)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASK_KV:
         p = tl.where(kv_mask[None, :], p, 0.0)
 
-    v_main = load_rows(V, rows, stride_vt, offs_dm, kv_mask, HEAD_DIM, MASK_KV)
-    dp = tl.dot(do_main, tl.trans(v_main), input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        v_tail = load_rows(V, rows, stride_vt, offs_dt, kv_mask, HEAD_DIM, MASK_KV)
-        dp = tl.dot(do_tail, tl.trans(v_tail), dp, input_precision=DOT_PRECISION)
+    v = load_rows(V, rows, stride_vt, offs_d, kv_mask, HEAD_DIM, MASK_KV)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
-    dq_main = tl.dot(ds, k_main, dq_main, input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        dq_tail = tl.dot(ds, k_tail, dq_tail, input_precision=DOT_PRECISION)
-    return dq_main, dq_tail
+    return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
@@ -404,8 +345,7 @@ def _attn_bwd_dq_kernel(
     stride_dqh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -424,8 +364,6 @@ def _attn_bwd_dq_kernel(
     seq_start, seqlen, m_start = program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_M)
 
     if m_start < seqlen:
-        HAS_TAIL: tl.constexpr = D_TAIL > 0
-        D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
         first = seq_start.to(tl.int64)
         head_64 = head.to(tl.int64)
         Q, K, V, DO, Lse, Delta = _bwd_input_bases(Q, K, V, DO, Lse, Delta, first, head_64, num_tokens, strides)
@@ -434,26 +372,21 @@ def _attn_bwd_dq_kernel(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
         q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-        offs_dm = tl.arange(0, D_MAIN)
-        offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
-        offs_d = (offs_dm, offs_dt)
+        offs_d = tl.arange(0, BLOCK_D)
         # Rows past the segment load as zeros (lse 0 keeps their probabilities finite); never stored.
-        q_main, do_main, q_tail, do_tail = _load_row_pair(
-            Q, DO, q_rows, stride_qt, stride_dot, offs_d, q_mask, HEAD_DIM, HAS_TAIL
-        )
+        q = load_rows(Q, q_rows, stride_qt, offs_d, q_mask, HEAD_DIM, True)
+        do = load_rows(DO, q_rows, stride_dot, offs_d, q_mask, HEAD_DIM, True)
         lse2 = tl.load(Lse + offs_m, mask=q_mask, other=0.0) * LOG2E
         delta = tl.load(Delta + offs_m, mask=q_mask, other=0.0)
-        dq_main = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
-        dq_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # What every key block reads (see _attn_bwd_dq_kv_block).
-        queries = (q_main, q_tail, do_main, do_tail, lse2, delta)
+        queries = (q, do, lse2, delta)
         kv = (K, V, stride_kt, stride_vt)
         full_end = (seqlen // BLOCK_N) * BLOCK_N
         for kv_start in range(0, full_end, BLOCK_N):
-            dq_main, dq_tail = _attn_bwd_dq_kv_block(
-                dq_main,
-                dq_tail,
+            dq = _attn_bwd_dq_kv_block(
+                dq,
                 kv_start,
                 queries,
                 kv,
@@ -461,16 +394,14 @@ def _attn_bwd_dq_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_N,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_KV=False,
             )
         if full_end < seqlen:
-            dq_main, dq_tail = _attn_bwd_dq_kv_block(
-                dq_main,
-                dq_tail,
+            dq = _attn_bwd_dq_kv_block(
+                dq,
                 full_end,
                 queries,
                 kv,
@@ -478,16 +409,13 @@ def _attn_bwd_dq_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_N,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_KV=True,
             )
 
-        _store_rows(DQ, q_rows, stride_dqt, offs_dm, q_mask, dq_main * softmax_scale, HEAD_DIM)
-        if HAS_TAIL:
-            _store_rows(DQ, q_rows, stride_dqt, offs_dt, q_mask, dq_tail * softmax_scale, HEAD_DIM)
+        _store_rows(DQ, q_rows, stride_dqt, offs_d, q_mask, dq * softmax_scale, HEAD_DIM)
 
 
 def vision_attn_backward_launches(

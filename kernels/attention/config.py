@@ -32,8 +32,8 @@ __all__ = [
     "AttentionWork",
     "backward_launch_config",
     "head_dim_config",
-    "head_dim_tiles",
-    "kv_descriptors",
+    "head_dim_tile",
+    "kv_descriptor",
     "launch_config",
     "launch_work",
     "needs_wide_offsets",
@@ -49,14 +49,15 @@ MAX_HEAD_DIM = 256
 SHORT_SEGMENT_MAX = 64
 
 
-def head_dim_tiles(head_dim: int) -> tuple[int, int]:
-    """(main, tail) tile widths for ``head_dim``: main is the largest power of two <= head_dim (at least
-    16, the smallest dot dimension GPUs accept for 16-bit types), tail the next power of two >= the rest
-    (0 when nothing is left)."""
-    main = max(16, 1 << (head_dim.bit_length() - 1))
-    rest = head_dim - main
-    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
-    return main, tail
+def head_dim_tile(head_dim: int) -> int:
+    """The width of the head-dim tiles: the next power of two >= ``head_dim``, at least 16 (the smallest dot
+    dimension GPUs accept for 16-bit types); the kernels mask the columns past ``head_dim``.
+
+    One tile, not a power-of-two main part plus a narrow tail (72 = 64 + 16, 80/72 of the work where 128 does
+    128/72): Triton 3.6's sm_90 code for the 16-wide tail dots read wrong data in ragged key blocks on an H200
+    (NaN or errors of order 1 at D 72 and 80, an illegal address with 4 warps or TMA loads; bench/results/
+    run-20261204-0649/), where the padded tile matched float64 in the same cases."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 # Tiles measured on devices by bench/tune_attention.py, read by launch_config (see tile_table).
@@ -91,11 +92,10 @@ def tma_capable(target: GPUTarget) -> bool:
 
 
 def head_dim_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """What every attention kernel's launch takes besides its tiles: the head-dim tiling
-    (:func:`head_dim_tiles`), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA option."""
-    main, tail = head_dim_tiles(head_dim)
+    """What every attention kernel's launch takes besides its tiles: the head-dim tile width
+    (:func:`head_dim_tile`), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA option."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return dict(HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, DOT_PRECISION=precision, **FMA_CONTRACTION)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_tile(head_dim), DOT_PRECISION=precision, **FMA_CONTRACTION)
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
@@ -121,14 +121,14 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
     from 65 tokens up 64-row tiles save little work anyway (none up to 128 tokens: both cover
     ``ceil(S / 64) * 64`` keys for 128 query rows).
     """
-    main, tail = head_dim_tiles(head_dim)
+    block_d = head_dim_tile(head_dim)
     tuned = tile_table().get(tile_key(target, head_dim, dtype, max_seqlen))
     if tuned is not None:
         tiles = {key: tuned[key] for key in TILE_KEYS}
-    elif dtype == torch.float32 or main + tail > 128:
+    elif dtype == torch.float32 or block_d > 128:
         tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
         budget = shared_memory_per_block(target)
-        if dtype == torch.float32 and main + tail > 128 and budget is not None and budget < 136 * 1024:
+        if dtype == torch.float32 and block_d > 128 and budget is not None and budget < 136 * 1024:
             tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
     elif segment_class(max_seqlen) == "short":
         tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
@@ -153,11 +153,11 @@ def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | 
     of sm_86, sm_89 and sm_12x; tests/kernels/compile_sm90.py compiles them for sm_90 and sm_89. The
     interpreter ignores warps, stages and options.
     """
-    main, tail = head_dim_tiles(head_dim)
+    block_d = head_dim_tile(head_dim)
     if dtype == torch.float32:
         dkdv = dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
-    elif main + tail > 128:
+    elif block_d > 128:
         dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     elif segment_class(max_seqlen) == "short":
@@ -188,12 +188,12 @@ def launch_work(cu_seqlens: np.ndarray, config: dict) -> AttentionWork:
     """The matmul work the attention kernel executes per head for ``cu_seqlens`` (host ints, any sequence)
     with ``config`` (:func:`launch_config`), against the useful work. A pure function of host data, as the
     kernel runs it: a segment of S tokens has ``ceil(S / BLOCK_M)`` busy programs, each multiplying a
-    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over ``D_MAIN + D_TAIL``
+    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over ``BLOCK_D``
     columns, twice (q.k and p.v)."""
     bounds = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
     lengths = np.diff(bounds)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    width = config["D_MAIN"] + config["D_TAIL"]
+    width = config["BLOCK_D"]
     tiles = -(-lengths // block_m)
     keys = -(-lengths // block_n) * block_n
     return AttentionWork(
@@ -215,13 +215,7 @@ def needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
     return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
 
 
-def kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of a ``(T, H, D)`` key or value tensor: main boxes ``(BLOCK_N, 1, D_MAIN)`` and tail
-    boxes ``(BLOCK_N, 1, D_TAIL)`` (the main box again where there is no tail, unread then). Out-of-bounds
-    rows and columns read as zeros."""
-    main, tail = config["D_MAIN"], config["D_TAIL"] or config["D_MAIN"]
-    shape, strides = list(x.shape), list(x.stride())
-    return (
-        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, main]),
-        TensorDescriptor(x, shape, strides, [config["BLOCK_N"], 1, tail]),
-    )
+def kv_descriptor(x: torch.Tensor, config: dict) -> TensorDescriptor:
+    """The TMA descriptor of a ``(T, H, D)`` key or value tensor, with ``(BLOCK_N, 1, BLOCK_D)`` boxes.
+    Out-of-bounds rows and columns read as zeros."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [config["BLOCK_N"], 1, config["BLOCK_D"]])

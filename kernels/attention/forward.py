@@ -41,7 +41,7 @@ from ..rotary import (
 from ..tiles import aligned_stride
 from .config import (
     MAX_HEAD_DIM,
-    kv_descriptors,
+    kv_descriptor,
     launch_config,
     needs_wide_offsets,
     segment_search_steps,
@@ -94,35 +94,25 @@ def _load_kv(
     block,
     offs_d,
     HEAD_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL_TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_ROWS: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
-    TAIL: tl.constexpr,
 ):
-    """A ``(BLOCK_N, D_MAIN)`` key or value tile, or with ``TAIL`` a ``(BLOCK_N, D_TAIL_TILE)`` one of the tail
-    columns. ``source`` is ``(X, XTail, token stride)``, ``block`` ``(rows, kv_mask, desc_row, head)`` and
-    ``offs_d`` ``(offs_dm, offs_dt)``, the main and tail columns. Pointer path: ``X`` points at the segment's
-    first token of this head; main tiles lie inside the head unless the head is narrower than the smallest dot
-    tile (16), so only then do their columns need a mask. ``DESCRIPTORS``: ``X`` / ``XTail`` are TMA descriptors
+    """A ``(BLOCK_N, BLOCK_D)`` key or value tile. ``source`` is ``(X, token stride)``, ``block`` ``(rows,
+    kv_mask, desc_row, head)``. Pointer path: ``X`` points at the segment's first token of this head, and the
+    columns need a mask only where the tile is wider than the head. ``DESCRIPTORS``: ``X`` is a TMA descriptor
     of the whole ``(T, H, D)`` tensor, read at token ``desc_row``; the hardware zero-fills the columns past D and
     the rows past T, and rows of the next segment are zeroed here (their logits are -inf already, but a value
     that is not finite would still turn 0 * x into NaN)."""
-    X, XTail, stride_t = source
+    X, stride_t = source
     rows, kv_mask, desc_row, head = block
-    offs_dm, offs_dt = offs_d
-    if not DESCRIPTORS:
-        if TAIL:
-            x = load_rows(X, rows, stride_t, offs_dt, kv_mask, HEAD_DIM, MASK_ROWS, D_MAIN + D_TAIL_TILE > HEAD_DIM)
-        else:
-            x = load_rows(X, rows, stride_t, offs_dm, kv_mask, HEAD_DIM, MASK_ROWS, D_MAIN > HEAD_DIM)
-    elif TAIL:
-        x = XTail.load([desc_row, head, D_MAIN]).reshape(BLOCK_N, D_TAIL_TILE)
+    if DESCRIPTORS:
+        x = X.load([desc_row, head, 0]).reshape(BLOCK_N, BLOCK_D)
+        if MASK_ROWS:
+            x = tl.where(kv_mask[:, None], x, 0.0)
     else:
-        x = X.load([desc_row, head, 0]).reshape(BLOCK_N, D_MAIN)
-    if DESCRIPTORS and MASK_ROWS:
-        x = tl.where(kv_mask[:, None], x, 0.0)
+        x = load_rows(X, rows, stride_t, offs_d, kv_mask, HEAD_DIM, MASK_ROWS, BLOCK_D > HEAD_DIM)
     return x
 
 
@@ -168,15 +158,13 @@ def program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK: tl.constexpr
 @triton.jit
 def _attn_kv_block(
     # the query tile's running state
-    acc_main,
-    acc_tail,
+    acc,
     m_i,
     l_i,
     # the key block's first key in the segment
     kv_start,
-    # what the key loop reads (see the kernel): q's (main, tail) tiles, (K, KTail, token stride) and
-    # (V, VTail, token stride) (see _load_kv), (first token in the batch, head, length) of the segment,
-    # the (main, tail) head-dim columns, and the logits' scale
+    # what the key loop reads (see the kernel): q's tile, (K, token stride) and (V, token stride) (see _load_kv),
+    # (first token in the batch, head, length) of the segment, the head-dim columns, and the logits' scale
     q,
     keys,
     values,
@@ -185,10 +173,8 @@ def _attn_kv_block(
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL_TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
@@ -196,18 +182,14 @@ def _attn_kv_block(
 ):
     """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment; ``MASK_KV``
     for the ragged last block."""
-    q_main, q_tail = q
     seq_start, head, seqlen = segment
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
     block = (rows, kv_mask, seq_start + kv_start, head)
 
-    k_main = _load_kv(keys, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=False)
-    qk = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        k_tail = _load_kv(keys, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=True)
-        qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
+    k = _load_kv(keys, block, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KV, DESCRIPTORS)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK_KV:
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
 
@@ -217,28 +199,20 @@ def _attn_kv_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(q_main.dtype)
+    p = p.to(q.dtype)
 
-    v_main = _load_kv(values, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=False)
-    acc_main = tl.dot(p, v_main, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        v_tail = _load_kv(
-            values, block, offs_d, HEAD_DIM, D_MAIN, D_TAIL_TILE, BLOCK_N, MASK_KV, DESCRIPTORS, TAIL=True
-        )
-        acc_tail = tl.dot(p, v_tail, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc_main, acc_tail, m_new, l_i
+    v = _load_kv(values, block, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KV, DESCRIPTORS)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
 def _vision_attn_kernel(
     # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE). With DESCRIPTORS, K and V
-    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, D_MAIN) boxes, KTail and VTail with
-    # (BLOCK_N, 1, D_TAIL) boxes; without, K and V are pointers and KTail, VTail unused.
+    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, BLOCK_D) boxes.
     Q,
     K,
     V,
-    KTail,
-    VTail,
     Out,
     CuSeqlens,
     Positions,
@@ -262,8 +236,7 @@ def _vision_attn_kernel(
     stride_lh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROTATE_Q: tl.constexpr,
@@ -286,8 +259,6 @@ def _vision_attn_kernel(
     seq_start, seqlen, m_start = program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK_M)
 
     if m_start < seqlen:
-        HAS_TAIL: tl.constexpr = D_TAIL > 0
-        D_TAIL_TILE: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
         # The segment's first token in 64-bit scalar arithmetic; offsets inside the batch stay 32-bit
         # (vector address math in 64 bits costs registers and spills) unless T * stride can pass 2**31.
         first = seq_start.to(tl.int64)
@@ -300,43 +271,32 @@ def _vision_attn_kernel(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
         q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-        offs_dm = tl.arange(0, D_MAIN)
-        offs_dt = D_MAIN + tl.arange(0, D_TAIL_TILE)
+        offs_d = tl.arange(0, BLOCK_D)
 
         # Placeholders, replaced when ROTATE_Q (Triton needs every name bound on both paths).
         pos = (offs_m, offs_m)
-        rope_main = (offs_dm, offs_dm, offs_dm, offs_dm)
-        rope_tail = (offs_dt, offs_dt, offs_dt, offs_dt)
+        rope = (offs_d, offs_d, offs_d, offs_d)
         if ROTATE_Q:
             Positions += first * stride_pt
-            rope_main = rope_dim_tables(offs_dm, HEAD_DIM, log2_theta)
-            rope_tail = rope_dim_tables(offs_dt, HEAD_DIM, log2_theta)
+            rope = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
             row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
             col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
             pos = (row_pos, col_pos)
-
-        q_main = _load_rotated(Q, q_rows, stride_qt, offs_dm, q_mask, pos, rope_main, HEAD_DIM, ROTATE_Q)
-        q_tail = q_main
-        acc_tail = tl.zeros([BLOCK_M, D_TAIL_TILE], dtype=tl.float32)
-        if HAS_TAIL:
-            q_tail = _load_rotated(Q, q_rows, stride_qt, offs_dt, q_mask, pos, rope_tail, HEAD_DIM, ROTATE_Q)
+        q = _load_rotated(Q, q_rows, stride_qt, offs_d, q_mask, pos, rope, HEAD_DIM, ROTATE_Q)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc_main = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # What every key block reads (see _attn_kv_block).
-        q = (q_main, q_tail)
-        keys = (K, KTail, stride_kt)
-        values = (V, VTail, stride_vt)
+        keys = (K, stride_kt)
+        values = (V, stride_vt)
         segment = (seq_start, head, seqlen)
-        offs_d = (offs_dm, offs_dt)
         # Full key blocks need no row mask; the ragged last block is handled apart.
         full_end = (seqlen // BLOCK_N) * BLOCK_N
         for kv_start in range(0, full_end, BLOCK_N):
-            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
-                acc_main,
-                acc_tail,
+            acc, m_i, l_i = _attn_kv_block(
+                acc,
                 m_i,
                 l_i,
                 kv_start,
@@ -347,19 +307,16 @@ def _vision_attn_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_N,
-                D_MAIN,
-                D_TAIL_TILE,
+                BLOCK_D,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 DESCRIPTORS,
                 MASK_KV=False,
             )
         if full_end < seqlen:
-            acc_main, acc_tail, m_i, l_i = _attn_kv_block(
-                acc_main,
-                acc_tail,
+            acc, m_i, l_i = _attn_kv_block(
+                acc,
                 m_i,
                 l_i,
                 full_end,
@@ -370,10 +327,8 @@ def _vision_attn_kernel(
                 offs_d,
                 qk_scale,
                 HEAD_DIM,
-                HAS_TAIL,
                 BLOCK_N,
-                D_MAIN,
-                D_TAIL_TILE,
+                BLOCK_D,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 DESCRIPTORS,
@@ -381,18 +336,11 @@ def _vision_attn_kernel(
             )
 
         inv_l = 1.0 / l_i
-        out_rows = Out + q_rows[:, None] * stride_ot
         tl.store(
-            out_rows + offs_dm[None, :],
-            (acc_main * inv_l[:, None]).to(Out.dtype.element_ty),
-            mask=q_mask[:, None] & (offs_dm[None, :] < HEAD_DIM),
+            Out + q_rows[:, None] * stride_ot + offs_d[None, :],
+            (acc * inv_l[:, None]).to(Out.dtype.element_ty),
+            mask=q_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
         )
-        if HAS_TAIL:
-            tl.store(
-                out_rows + offs_dt[None, :],
-                (acc_tail * inv_l[:, None]).to(Out.dtype.element_ty),
-                mask=q_mask[:, None] & (offs_dt[None, :] < HEAD_DIM),
-            )
         if STORE_LSE:
             # What the backward needs to rebuild each probability from one logit: the row's log-sum-exp of
             # the scaled logits, natural log (m_i and log2(l_i) are in base 2).
@@ -460,17 +408,13 @@ def vision_attn_launches(
         stride_pt=positions.stride(0) if apply_rope else 0,
         stride_lh=0 if lse is None else q.shape[0],
     )
-    k_tail = v_tail = cu_seqlens  # Pointers a variant does not read get cu_seqlens as a placeholder.
     if config["DESCRIPTORS"]:
-        k, k_tail = kv_descriptors(k, config)
-        v, v_tail = kv_descriptors(v, config)
+        k, v = kv_descriptor(k, config), kv_descriptor(v, config)
     args = dict(
-        # pointers (or K/V descriptors)
+        # pointers (or K/V descriptors); those a variant does not read get cu_seqlens as a placeholder
         Q=q,
         K=k,
         V=v,
-        KTail=k_tail,
-        VTail=v_tail,
         Out=out,
         CuSeqlens=cu_seqlens,
         Positions=positions if apply_rope else cu_seqlens,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import ON_GPU, float64_rotary
 from qvl.kernels import force_backend, rotary_2d_reference, vision_attn_reference
-from qvl.kernels.attention import head_dim_tiles, launch_config
+from qvl.kernels.attention import head_dim_tile, launch_config
 from qvl.kernels.common import device_target
 from tolerance import assert_error_within, online_softmax_ulps
 
@@ -118,11 +118,8 @@ def test_unusual_head_dims(head_dim):
     assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
 
 
-def test_head_dim_72_is_tiled_as_64_plus_16():
-    assert head_dim_tiles(72) == (64, 16)
-    assert head_dim_tiles(80) == (64, 16)
-    assert head_dim_tiles(64) == (64, 0)
-    assert head_dim_tiles(96) == (64, 32)
+def test_head_dim_tile_is_the_next_power_of_two_from_16():
+    assert [head_dim_tile(d) for d in (8, 16, 64, 72, 80, 96, 136, 256)] == [16, 16, 64, 128, 128, 128, 256, 256]
 
 
 def test_softmax_scale_and_contiguous_inputs():
