@@ -40,7 +40,8 @@ phase device
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
-  git rev-parse HEAD 2>/dev/null || true
+  # The tool's copy carries the working tree; its .git can lag behind it, so say when the files differ from HEAD.
+  echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
 } 2>&1 | tee "$out/device.txt"
 
 phase "tile sweep"

@@ -18,7 +18,8 @@ with that ``max_seqlen`` hint, which selects the short-segment tiles).
 
 Beyond the launch configuration ``vision_attn`` picks today: ``--descriptors`` compiles it with K and V loaded
 through TMA descriptors; ``--candidates`` compiles every tile candidate ``bench.tune_attention`` sweeps (without
-rope); ``--table`` compiles every sm_90 entry of the packaged tile table (what a device chose). Each row also
+rope); ``--table`` compiles every sm_90 entry of the packaged tile table (what a device chose); ``--heuristic``
+the tiles ``vision_attn`` takes where the table has no entry. Each row also
 gives the key loop's warp-instructions per 1,000 useful multiply-adds (q.k and p.v at the true head dim:
 ``loop x warps x 1000 / (2 x BLOCK_M x BLOCK_N x D)``), which compares tiles of different sizes. Numbers of the
 compiler, not timings: they guide tile and fusion choices until a device measures them.
@@ -148,8 +149,13 @@ def variants(args: argparse.Namespace) -> list[dict]:
         tiles_list = candidates(attention.segment_class(args.max_seqlen))
         return [dict(head_dim=d, rope=False, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles)
                 for d in args.head_dim for tiles in tiles_list]  # fmt: skip
-    tiles = {"DESCRIPTORS": True} if args.descriptors else None
-    return [dict(head_dim=d, rope=rope, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles)
+
+    def tiles(head_dim: int) -> dict | None:
+        if args.heuristic:
+            return attention.heuristic_tiles(head_dim, torch.bfloat16, HOPPER, args.max_seqlen)
+        return {"DESCRIPTORS": True} if args.descriptors else None
+
+    return [dict(head_dim=d, rope=rope, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles(d))
             for d in args.head_dim for rope in (False, True)]  # fmt: skip
 
 
@@ -182,6 +188,7 @@ def main(argv=None) -> None:
     choice.add_argument("--descriptors", action="store_true", help="K and V through TMA descriptors")
     choice.add_argument("--candidates", action="store_true", help="every tile candidate of bench.tune_attention")
     choice.add_argument("--table", action="store_true", help="every sm_90 entry of the packaged tile table")
+    choice.add_argument("--heuristic", action="store_true", help="the tiles taken where the table has no entry")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
     args = parser.parse_args(argv)
     if not args.json:

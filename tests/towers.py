@@ -129,9 +129,11 @@ def rotary_in_float64(modeling=modeling_qwen3_vl, rotary_class: str = "Qwen3VLVi
 
 
 def vision_outputs(model: Qwen3VLVisionModel, pixel_values: torch.Tensor, grid_thw) -> list[torch.Tensor]:
-    """``[pooler_output, *deepstack_features]`` of a transformers vision model, in the model's dtype."""
+    """``[pooler_output, *deepstack_features]`` of a transformers vision model, in the model's dtype; ``grid_thw``
+    goes to the pixels' device, as a processor's batch moved to the model's device does (transformers builds its
+    position-embedding indices there)."""
     with torch.no_grad():
-        out = model(pixel_values.to(model.dtype), grid_thw=torch.as_tensor(grid_thw))
+        out = model(pixel_values.to(model.dtype), grid_thw=torch.as_tensor(grid_thw, device=pixel_values.device))
     return [out.pooler_output, *out.deepstack_features]
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "backward_launch_config",
     "head_dim_config",
     "head_dim_tile",
+    "heuristic_tiles",
     "kv_descriptor",
     "launch_config",
     "launch_work",
@@ -121,20 +122,27 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
     from 65 tokens up 64-row tiles save little work anyway (none up to 128 tokens: both cover
     ``ceil(S / 64) * 64`` keys for 128 query rows).
     """
-    block_d = head_dim_tile(head_dim)
     tuned = tile_table().get(tile_key(target, head_dim, dtype, max_seqlen))
     if tuned is not None:
         tiles = {key: tuned[key] for key in TILE_KEYS}
-    elif dtype == torch.float32 or block_d > 128:
+    else:
+        tiles = heuristic_tiles(head_dim, dtype, target, max_seqlen)
+    return {**head_dim_config(head_dim, dtype), **tiles}
+
+
+def heuristic_tiles(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
+    """The :data:`TILE_KEYS` :func:`launch_config` takes where the tile table has no entry (its docstring says
+    why these)."""
+    block_d = head_dim_tile(head_dim)
+    if dtype == torch.float32 or block_d > 128:
         tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
         budget = shared_memory_per_block(target)
         if dtype == torch.float32 and block_d > 128 and budget is not None and budget < 136 * 1024:
             tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
-    elif segment_class(max_seqlen) == "short":
-        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
-    else:
-        tiles = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
-    return {**head_dim_config(head_dim, dtype), **tiles}
+        return tiles
+    if segment_class(max_seqlen) == "short":
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
 
 
 def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | None = None) -> dict[str, dict]:
