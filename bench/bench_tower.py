@@ -324,6 +324,14 @@ def run_case(report: Report, case: Case, impls: dict[str, Impl], device: Device,
         return max_err(call(), ref) if case.training or name != REFERENCE else None
 
     records = harness.check_then_time(report, case.name, case.flops, calls, check, rep_ms=500)
+    if case.training and records.get(REFERENCE) is not None and records[REFERENCE].max_rel_err is not None:
+        # In 16-bit dtypes transformers' own gradients miss the fp32 copy's by more than the tolerance (norm and
+        # patch-embed weights): an implementation agrees within twice that error too, the suite's rule.
+        bound = max(harness.TOLERANCE[dtype], 2 * records[REFERENCE].max_rel_err)
+        for record in records.values():
+            record.agrees = record.max_rel_err is None or (
+                math.isfinite(record.max_rel_err) and record.max_rel_err <= bound
+            )
     peaks = {name: peak_memory(impls[name].module, calls[name][0], x, device) for name in records}
     base = next((r.baseline for r in records.values() if r.baseline), None)
     for name, record in records.items():
@@ -341,7 +349,8 @@ def benchmark(config: RunConfig) -> Report:
     report = Report("tower", device, dtype, "flops", BASELINES)
     report.notes.append(
         f"max rel err: of the merged and deepstack outputs against {REFERENCE}'s; training: the largest over the "
-        f"parameters' gradients, against an fp32 copy of {REFERENCE}'s"
+        f"parameters' gradients, against an fp32 copy of {REFERENCE}'s, agreeing within the tolerance or twice "
+        f"{REFERENCE}'s own error"
     )
     report.notes.append(
         f"training work: 2x the patch embed's forward FLOPs, 3x the other matmuls' (dX, dW), {TRAINING_WORK}x "
