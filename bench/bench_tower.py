@@ -374,7 +374,12 @@ def benchmark(config: RunConfig) -> Report:
         report.skipped.update(skipped)
         ready = {**peers, REFERENCE: hf_impl(reference)}
         impls = {name: ready[name] for name in ORDER if name in ready}
-        for case in model_cases:
+        for previous, case in zip([None, *model_cases], model_cases):
+            if previous is not None and case.training != previous.training:
+                # The towers' parameters change requires_grad here, which torch's compiled frames may not guard on
+                # (pytorch/pytorch#139476): on an H200 with torch 2.11 the compiled tower's training step then ran its
+                # frozen inference graph. Dropping the compiled frames makes the training case compile its own.
+                torch._dynamo.reset()
             print(f"tower: {case.name}", flush=True)
             run_case(report, case, impls, device, dtype)
         del peers, ready, impls, reference
