@@ -376,9 +376,10 @@ def benchmark(config: RunConfig) -> Report:
         impls = {name: ready[name] for name in ORDER if name in ready}
         for previous, case in zip([None, *model_cases], model_cases):
             if previous is not None and case.training != previous.training:
-                # The towers' parameters change requires_grad here, which torch's compiled frames may not guard on
-                # (pytorch/pytorch#139476): on an H200 with torch 2.11 the compiled tower's training step then ran its
-                # frozen inference graph. Dropping the compiled frames makes the training case compile its own.
+                # The towers' parameters change requires_grad here. On an H200 with torch 2.11 the compiled tower's
+                # training step then returned outputs without grad, as if it ran its frozen inference graph (compiled
+                # frames that do not guard on the flag: pytorch/pytorch#139476). Dropping the compiled frames makes the
+                # training case compile its own.
                 torch._dynamo.reset()
             print(f"tower: {case.name}", flush=True)
             run_case(report, case, impls, device, dtype)
