@@ -55,9 +55,10 @@ def head_dim_tile(head_dim: int) -> int:
     dimension GPUs accept for 16-bit types); the kernels mask the columns past ``head_dim``.
 
     One tile, not a power-of-two main part plus a narrow tail (72 = 64 + 16, 80/72 of the work where 128 does
-    128/72): Triton 3.6's sm_90 code for the 16-wide tail dots read wrong data in ragged key blocks on an H200
-    (NaN or errors of order 1 at D 72 and 80, an illegal address with 4 warps or TMA loads; bench/results/
-    run-20261204-0649/), where the padded tile matched float64 in the same cases."""
+    128/72): on an H200 with Triton 3.6 the kernels with the 16-wide tail computed wrong results where a segment
+    ends inside a key block (NaN or errors of order 1 at D 72 and 80, an illegal address with 4 warps or TMA loads;
+    Triton's interpreter was right), and the same kernels with one padded tile matched float64 in those cases
+    (bench/results/run-20261204-0649/, diag-20261204/)."""
     return max(16, triton.next_power_of_2(head_dim))
 
 

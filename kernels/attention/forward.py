@@ -77,7 +77,8 @@ def load_rows(
     MASK_COLS: tl.constexpr = True,
 ):
     """Load a ``(len(rows), len(offs_d))`` tile, zeros outside the masks; rows are token indices. ``MASK_COLS``
-    False: the caller knows every column is below HEAD_DIM (a main tile), so a full block loads unmasked."""
+    False: the caller knows every column is below HEAD_DIM (a tile as wide as the head), so a full block loads
+    unmasked."""
     ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
     if MASK_ROWS and MASK_COLS:
         return tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
