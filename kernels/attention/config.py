@@ -136,11 +136,10 @@ def heuristic_tiles(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_se
     why these)."""
     block_d = head_dim_tile(head_dim)
     if dtype == torch.float32 or block_d > 128:
-        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
         budget = shared_memory_per_block(target)
         if dtype == torch.float32 and block_d > 128 and budget is not None and budget < 136 * 1024:
-            tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
-        return tiles
+            return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
     if segment_class(max_seqlen) == "short":
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, DESCRIPTORS=False)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
