@@ -62,6 +62,15 @@ def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.
     return rotary_2d_reference(q.double(), k.double(), positions, rope_theta)
 
 
+@pytest.fixture
+def empty_tile_table(monkeypatch):
+    """Attention launches configured by the heuristic alone: the packaged tile table (a device's sm_90 entries,
+    checked where they are used: test_attention_descriptors, test_cuda_compile) reads as empty."""
+    from qvl.kernels.attention import config
+
+    monkeypatch.setattr(config, "tile_table", dict)
+
+
 @pytest.fixture(params=["default", "torch"])
 def backend(request, device):
     """The path under test: the device's default (interpreter on CPU, Triton on CUDA) or torch."""

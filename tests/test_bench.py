@@ -26,7 +26,6 @@ from bench import (  # noqa: E402
     run_all,
 )
 from bench.workloads import label  # noqa: E402
-from qvl.kernels.attention import config as attention_config  # noqa: E402
 from qvl.kernels.attention import head_dim_tile  # noqa: E402
 
 CPU = harness.get_device("cpu")
@@ -242,15 +241,8 @@ def test_window_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 # Analytic counts of the launch (no kernel runs, no timing): Qwen2.5-VL's head dim 80 in both 16-bit dtypes.
-@pytest.fixture
-def heuristic_tiles(monkeypatch) -> None:
-    """An empty tile table: the window tests pin the hint's effect on the heuristic's tiles (a device's table
-    entries for sm_90 would replace them)."""
-    monkeypatch.setattr(attention_config, "tile_table", dict)
-
-
 @pytest.mark.parametrize("dtype", [harness.DTYPES["bf16"], harness.DTYPES["fp16"]], ids=["bf16", "fp16"])
-@pytest.mark.usefixtures("heuristic_tiles")
+@pytest.mark.usefixtures("empty_tile_table")  # the hint's effect on the heuristic's tiles
 def test_window_hint_keeps_executed_work_near_useful(dtype) -> None:
     for layout in bench_window.LAYOUTS.values():
         window = bench_window.Case(layout, window=True)
@@ -268,7 +260,7 @@ def test_window_hint_keeps_executed_work_near_useful(dtype) -> None:
         assert full_hinted.ratio == full_plain.ratio <= 1.1 * columns and full_hinted.tiles == full_plain.tiles
 
 
-@pytest.mark.usefixtures("heuristic_tiles")
+@pytest.mark.usefixtures("empty_tile_table")  # the hint's effect on the heuristic's tiles
 def test_window_work_table_prints_without_running_kernels(capsys: pytest.CaptureFixture) -> None:
     assert bench_window.main(["--work", "--device", "cpu"]) is None
     out = capsys.readouterr().out

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from test_attention import assert_close_to_float64, cu_seqlens_of, packed_qkv
 
 from qvl.kernels.attention import SHORT_SEGMENT_MAX, head_dim_tile, launch_config, launch_work, vision_attn_launches
-from qvl.kernels.attention import config as attention_config
 from qvl.kernels.common import ADA, HOPPER, INTERPRETER
 from qvl.vit.metadata import build_metadata, build_window_metadata
 
@@ -18,11 +17,8 @@ LONG_TILES = (128, 64, 8, 3)
 SHORT_TILES = (64, 64, 4, 2)
 
 
-@pytest.fixture(autouse=True)
-def heuristic_only(monkeypatch):
-    """The hint's tiles are the heuristic's: an empty tile table here (a device's entries for sm_90 replace them,
-    and are checked where they are used: test_attention_descriptors, test_cuda_compile)."""
-    monkeypatch.setattr(attention_config, "tile_table", dict)
+# The hint's tiles are the heuristic's (a device's table entries for sm_90 would replace them).
+pytestmark = pytest.mark.usefixtures("empty_tile_table")
 
 
 def tiles(config):
