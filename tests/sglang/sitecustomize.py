@@ -47,6 +47,20 @@ if _vllm is None or _vllm.origin is None:
     sys.modules["vllm._custom_ops"] = custom_ops
 
 
+def _current_report() -> dict | None:
+    """The plugin's route counts, state and towers in this process; None until its module has run. The module sits in
+    ``sys.modules`` while its body runs, and a read then raises AttributeError ("partially initialized module"; seen
+    polling during its import on a loaded machine), which would end the reporting thread and leave the process
+    without a report: what one CI run of the two-rank dp_encoder test showed (one scheduler report of two)."""
+    plugin = sys.modules.get("qvl.vit.sglang_plugin")
+    if plugin is None:
+        return None
+    try:
+        return {"pid": os.getpid(), "counts": plugin.route_counts(), "state": plugin.state(), "towers": plugin.towers()}
+    except AttributeError:
+        return None
+
+
 def _report_routes(directory: str) -> None:
     """Write the plugin's route counts and state to ``directory/<pid>.json`` whenever they change: SGLang's scheduler
     runs the routes in a subprocess that the engine's shutdown kills, so the test reads what it last wrote."""
@@ -57,20 +71,13 @@ def _report_routes(directory: str) -> None:
     def loop():
         last = None
         while True:
-            plugin = sys.modules.get("qvl.vit.sglang_plugin")
-            if plugin is not None:
-                report = {
-                    "pid": os.getpid(),
-                    "counts": plugin.route_counts(),
-                    "state": plugin.state(),
-                    "towers": plugin.towers(),
-                }
-                if report != last:
-                    path = os.path.join(directory, f"{os.getpid()}.json")
-                    with open(path + ".tmp", "w", encoding="utf-8") as f:
-                        json.dump(report, f)
-                    os.replace(path + ".tmp", path)
-                    last = report
+            report = _current_report()
+            if report is not None and report != last:
+                path = os.path.join(directory, f"{os.getpid()}.json")
+                with open(path + ".tmp", "w", encoding="utf-8") as f:
+                    json.dump(report, f)
+                os.replace(path + ".tmp", path)
+                last = report
             time.sleep(0.2)
 
     threading.Thread(target=loop, name="qvl-test-route-report", daemon=True).start()

@@ -63,7 +63,7 @@ def test_qvl_on_two_ranks(checkpoint, baseline, dp_encoder):
     result = run_engine(checkpoint, dtype="float32", env={"TRITON_INTERPRET": "1"}, tp=2, dp_encoder=dp_encoder)
     assert result["tokens"] == baseline["tokens"]
     schedulers = scheduler_reports(result)
-    assert len(schedulers) == 2
+    assert len(schedulers) == 2, result["reports"]
     for scheduler in schedulers:
         assert scheduler["state"]["models"][0]["tower"] == "qvl"
         assert scheduler["towers"] == [
