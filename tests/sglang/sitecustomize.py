@@ -51,7 +51,7 @@ def _current_report() -> dict | None:
     """The plugin's route counts, state and towers in this process; None until its module has run. The module sits in
     ``sys.modules`` while its body runs, and a read then raises AttributeError ("partially initialized module"; seen
     polling during its import on a loaded machine), which would end the reporting thread and leave the process
-    without a report: what one CI run of the two-rank dp_encoder test showed (one scheduler report of two)."""
+    without a report: the likely cause of one CI run's two-rank dp_encoder failure (one scheduler report of two)."""
     plugin = sys.modules.get("qvl.vit.sglang_plugin")
     if plugin is None:
         return None
