@@ -150,23 +150,6 @@ def float64_vision_outputs(model: Qwen3VLVisionModel, pixel_values: torch.Tensor
         return vision_outputs(float64_copy(model), pixel_values.double(), grid_thw)
 
 
-def run_two_ranks(script: str, out_dir, timeout: int = 300, **env) -> None:
-    """Run ``script`` (a test file whose ``__main__`` is one rank) on two ranks under ``torch.distributed.run``
-    with ``out_dir`` as its argument and working directory, tests/ on PYTHONPATH (each rank imports the file and
-    its helpers), one thread per rank and ``env`` on top; fails the calling test with the ranks' stderr."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **env}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               script, str(out_dir)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 # name -> (transformers' class prefix, vision model class, vision config). Qwen2.5-VL: 56-px windows (2 x 2 merged
 # tokens) that the grids below cut into partial ones, full attention in block 1 only; Qwen2-VL: QuickGELU. Head
 # dim 32 both.

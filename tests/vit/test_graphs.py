@@ -65,8 +65,10 @@ def _rank_main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from ranks import end_rank
+
     _rank_main(sys.argv[1])
-    sys.exit(0)
+    end_rank()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -75,13 +77,13 @@ from test_qwen2_towers import vision_model  # noqa: E402
 
 from conftest import ON_GPU  # noqa: E402
 from qvl.vit import Qwen2VisionTransformer  # noqa: E402
+from ranks import run_two_ranks  # noqa: E402
 from tolerance import assert_error_within  # noqa: E402
 from towers import (  # noqa: E402
     float64_vision_outputs,
     hf_vision_model,
     hf_vision_model_of,
     pixel_values_for,
-    run_two_ranks,
     vision_outputs,
 )
 

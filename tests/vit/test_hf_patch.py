@@ -13,6 +13,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from qvl.kernels import force_backend
 from qvl.vit import VisionTransformer, is_patched, patch_model, register_attention, unpatch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
+from ranks import run_two_ranks
 from tolerance import assert_error_within
 from towers import (
     IMAGE_TOKEN_ID,
@@ -27,7 +28,6 @@ from towers import (
     pixel_values_for,
     randomize,
     rotary_in_float64,
-    run_two_ranks,
 )
 
 GRID = [[1, 4, 6], [1, 2, 2]]
@@ -498,7 +498,10 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
 
 
 if __name__ == "__main__":
+    from ranks import end_rank
+
     _data_parallel_rank(sys.argv[1])
+    end_rank()
 
 
 # The rest of the Qwen vision family whose tower is Qwen3-VL's: (modeling module, vision class, rotary class).

@@ -116,8 +116,10 @@ def _rank_main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from ranks import end_rank
+
     _rank_main(sys.argv[1])
-    sys.exit(0)
+    end_rank()
 
 # --------------------------------------------------------------------------------------------------
 # The parent: tiny tower, references, the launch
@@ -186,6 +188,8 @@ def ranks(setup) -> list[dict]:
         "WORLD_SIZE": str(WORLD),
         "TRITON_INTERPRET": "1",
         "OMP_NUM_THREADS": "1",  # the ranks share a few cores
+        # tests/ for ranks.end_rank, which each rank calls last
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     processes = [
         subprocess.Popen(

@@ -21,7 +21,8 @@ from test_qwen2_towers import (
 from qvl.kernels import force_backend
 from qvl.vit import Qwen2VisionConfig, Qwen2VisionTransformer, VisionTransformer, load_tower, patch_model, tower_from_hf
 from qvl.vit.families import config_from_dict, config_from_hf
-from towers import pixel_values_for, randomize, run_two_ranks
+from ranks import run_two_ranks
+from towers import pixel_values_for, randomize
 
 # Batches for the ranks and the compiled tower: images with partial windows, a video (its frames split over the
 # ranks in data mode), one small image (the other rank gets nothing), the empty batch.
@@ -56,8 +57,10 @@ def _rank_main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from ranks import end_rank
+
     _rank_main(sys.argv[1])
-    sys.exit(0)
+    end_rank()
 
 import pytest  # noqa: E402
 from test_hf_patch import float64_run  # noqa: E402

@@ -27,8 +27,9 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForCondition
 from qvl.kernels import force_backend
 from qvl.vit import VisionTransformer, patch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
+from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64, run_two_ranks
+from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
 
 
 def qwen3_vl(seed):
@@ -355,4 +356,7 @@ def test_parallel_backward_over_two_ranks(tmp_path):
 if __name__ == "__main__":
     import sys
 
+    from ranks import end_rank
+
     _parallel_rank(sys.argv[1])
+    end_rank()

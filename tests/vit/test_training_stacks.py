@@ -15,8 +15,9 @@ from test_training import vision_gradients as gradients
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
+from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import hf_vision_model, pixel_values_for, run_two_ranks
+from towers import hf_vision_model, pixel_values_for
 
 QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
 
@@ -224,4 +225,7 @@ if __name__ == "__main__":
     import os
     import sys
 
+    from ranks import end_rank
+
     {"fsdp": _fsdp_rank, "data": _data_mode_rank}[os.environ.get("QVL_TEST_RANKS", "fsdp")](sys.argv[1])
+    end_rank()

@@ -14,8 +14,9 @@ from test_training import vision_gradients as gradients
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model
+from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import hf_vision_model, pixel_values_for, run_two_ranks
+from towers import hf_vision_model, pixel_values_for
 
 # Only the ranks import DeepSpeed (it probes the machine's accelerator on import).
 if importlib.util.find_spec("deepspeed") is None:
@@ -85,4 +86,7 @@ def test_zero3_trains_the_patched_tower(tmp_path):
 if __name__ == "__main__":
     import sys
 
+    from ranks import end_rank
+
     _zero3_rank(sys.argv[1])
+    end_rank()
