@@ -9,12 +9,16 @@ import sys
 from pathlib import Path
 
 
+def python_path_with_tests() -> str:
+    """This process's PYTHONPATH with tests/ in front: for rank processes, which import the suite's helpers."""
+    return os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+
+
 def run_two_ranks(script: str, out_dir, timeout: int = 300, **env) -> None:
     """Run ``script`` (a test file whose ``__main__`` is one rank) on two ranks under ``torch.distributed.run``
     with ``out_dir`` as its argument and working directory, tests/ on PYTHONPATH (each rank imports the file and
     its helpers), one thread per rank and ``env`` on top; fails the calling test with the ranks' stderr."""
-    python_path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path_with_tests(), **env}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                script, str(out_dir)]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)

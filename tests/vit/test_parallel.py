@@ -131,6 +131,7 @@ from qvl.vit import VisionConfig, VisionTransformer  # noqa: E402
 from qvl.vit.balance import SegmentCost, balance, greedy_by_patches, lower_bound  # noqa: E402
 from qvl.vit.checkpoint import save_vision_checkpoint  # noqa: E402
 from qvl.vit.parallel import has_cpu_backend  # noqa: E402
+from ranks import python_path_with_tests  # noqa: E402
 from tolerance import assert_error_within  # noqa: E402
 
 
@@ -188,8 +189,7 @@ def ranks(setup) -> list[dict]:
         "WORLD_SIZE": str(WORLD),
         "TRITON_INTERPRET": "1",
         "OMP_NUM_THREADS": "1",  # the ranks share a few cores
-        # tests/ for ranks.end_rank, which each rank calls last
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": python_path_with_tests(),  # each rank ends with ranks.end_rank
     }
     processes = [
         subprocess.Popen(
