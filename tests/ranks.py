@@ -1,11 +1,12 @@
 """Two-rank gloo tests: a test file whose ``__main__`` is one rank runs on two ranks under torch.distributed.run
-(:func:`run_two_ranks`), and each rank ends with :func:`end_rank` once its results are on disk."""
+(:func:`run_two_ranks`), each rank through :func:`run_rank`."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,16 +26,18 @@ def run_two_ranks(script: str, out_dir, timeout: int = 300, **env) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def end_rank() -> None:
-    """End a rank whose results are written (and whose process group is destroyed) with exit status 0, skipping
-    the interpreter's finalization.
+def run_rank(rank_main: Callable[[str], None]) -> None:
+    """A rank script's ``__main__``: ``rank_main(out_dir)`` with the directory :func:`run_two_ranks` passes, then exit
+    status 0 without the interpreter's finalization (``rank_main`` writes its results and destroys its process group;
+    an exception it raises fails the rank with its traceback as usual).
 
-    Why: after a gloo collective's wait returns, one of gloo's worker threads may still hold the collective's
-    work and its tensors; releasing those takes the GIL, and a thread that asks for the GIL while the interpreter
-    finalizes aborts the process ("terminate called without an active exception", SIGABRT), results already
-    written. destroy_process_group does not join those threads while functional collectives keep the group
-    referenced. A rank that exits right after its last collective hit this in 5 of 15 runs on 2 cores (torch
-    2.13); a long-running process such as ``qvl encode`` under torchrun has long released the work by then."""
+    Why skip finalization: after a gloo collective's wait returns, one of gloo's worker threads may still hold the
+    collective's work and its tensors; releasing those takes the GIL, and a thread that asks for the GIL while the
+    interpreter finalizes aborts the process ("terminate called without an active exception", SIGABRT), results
+    already written. destroy_process_group does not join those threads while functional collectives keep the group
+    referenced. A rank that exits right after its last collective hit this in 5 of 15 runs on 2 cores (torch 2.13);
+    a long-running process such as ``qvl encode`` under torchrun has long released the work by then."""
+    rank_main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

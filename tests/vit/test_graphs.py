@@ -10,8 +10,6 @@ pixels (large garbage) give identical outputs, so the pad never reaches a real t
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from qvl.kernels import force_backend
@@ -65,10 +63,9 @@ def _rank_main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from ranks import end_rank
+    from ranks import run_rank
 
-    _rank_main(sys.argv[1])
-    end_rank()
+    run_rank(_rank_main)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,7 +1,6 @@
 """qvl.vit.patch_model on tiny random transformers Qwen3-VL models (nothing downloaded)."""
 
 import copy
-import sys
 import warnings
 
 import pytest
@@ -498,10 +497,9 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
 
 
 if __name__ == "__main__":
-    from ranks import end_rank
+    from ranks import run_rank
 
-    _data_parallel_rank(sys.argv[1])
-    end_rank()
+    run_rank(_data_parallel_rank)
 
 
 # The rest of the Qwen vision family whose tower is Qwen3-VL's: (modeling module, vision class, rotary class).

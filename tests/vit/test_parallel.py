@@ -116,10 +116,9 @@ def _rank_main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from ranks import end_rank
+    from ranks import run_rank
 
-    _rank_main(sys.argv[1])
-    end_rank()
+    run_rank(_rank_main)
 
 # --------------------------------------------------------------------------------------------------
 # The parent: tiny tower, references, the launch
@@ -189,7 +188,7 @@ def ranks(setup) -> list[dict]:
         "WORLD_SIZE": str(WORLD),
         "TRITON_INTERPRET": "1",
         "OMP_NUM_THREADS": "1",  # the ranks share a few cores
-        "PYTHONPATH": python_path_with_tests(),  # each rank ends with ranks.end_rank
+        "PYTHONPATH": python_path_with_tests(),  # each rank runs through ranks.run_rank
     }
     processes = [
         subprocess.Popen(

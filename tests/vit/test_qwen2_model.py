@@ -6,7 +6,6 @@ under torch.distributed.run is one rank), against transformers in float64 (nothi
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 from test_qwen2_towers import (
@@ -57,10 +56,9 @@ def _rank_main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from ranks import end_rank
+    from ranks import run_rank
 
-    _rank_main(sys.argv[1])
-    end_rank()
+    run_rank(_rank_main)
 
 import pytest  # noqa: E402
 from test_hf_patch import float64_run  # noqa: E402

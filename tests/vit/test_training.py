@@ -354,9 +354,6 @@ def test_parallel_backward_over_two_ranks(tmp_path):
 
 
 if __name__ == "__main__":
-    import sys
+    from ranks import run_rank
 
-    from ranks import end_rank
-
-    _parallel_rank(sys.argv[1])
-    end_rank()
+    run_rank(_parallel_rank)

@@ -223,9 +223,7 @@ def test_data_mode_vision_beside_fsdp2_text(tmp_path):
 
 if __name__ == "__main__":
     import os
-    import sys
 
-    from ranks import end_rank
+    from ranks import run_rank
 
-    {"fsdp": _fsdp_rank, "data": _data_mode_rank}[os.environ.get("QVL_TEST_RANKS", "fsdp")](sys.argv[1])
-    end_rank()
+    run_rank({"fsdp": _fsdp_rank, "data": _data_mode_rank}[os.environ.get("QVL_TEST_RANKS", "fsdp")])

@@ -84,9 +84,6 @@ def test_zero3_trains_the_patched_tower(tmp_path):
 
 
 if __name__ == "__main__":
-    import sys
+    from ranks import run_rank
 
-    from ranks import end_rank
-
-    _zero3_rank(sys.argv[1])
-    end_rank()
+    run_rank(_zero3_rank)
