@@ -13,8 +13,9 @@ tokens, 16-bit head dims up to 128 take 64-row query tiles instead of 128-row on
 one tile rather than half of one (:func:`launch_work` counts the matmul work a launch executes). The program
 mapping is the same for every tile, so a hint smaller than a real segment is still correct, only slower.
 
-Head dims that are not a power of two are padded to the next one in the tiles (72 to 128, masked
-columns), so the dot products do 128/72 of the needed work; :func:`head_dim_tile` says why not less.
+Head dims that are not a power of two run as a power-of-two main tile and a narrower tail tile flush with the
+head's end (72 = 64 + the columns 56..71), so the dot products do 80/72 of the needed work at D 72 and none extra
+at D 80; :func:`head_dim_tiles` says how and why no load needs a column mask.
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
 
@@ -57,8 +58,9 @@ from .config import (
     TILE_KEYS,
     TILE_TABLE_PATH,
     AttentionWork,
+    HeadDimTiles,
     backward_launch_config,
-    head_dim_tile,
+    head_dim_tiles,
     heuristic_tiles,
     launch_config,
     launch_work,
@@ -84,7 +86,8 @@ __all__ = [
     "AttentionWork",
     "backward_launch_config",
     "equal_length_runs",
-    "head_dim_tile",
+    "HeadDimTiles",
+    "head_dim_tiles",
     "heuristic_tiles",
     "launch_config",
     "launch_work",

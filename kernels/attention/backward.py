@@ -28,7 +28,15 @@ from ..common import (
 from ..rotary import rotary_2d_reference, rotary_launches
 from ..tiles import LOG2E, aligned_stride, last_dim_contiguous
 from .config import backward_launch_config, needs_wide_offsets, segment_search_steps
-from .forward import check_attn_args, load_rows, program_tile, vision_attn_with_lse
+from .forward import (
+    check_attn_args,
+    head_dim_columns,
+    load_rows,
+    program_tile,
+    store_rows,
+    vision_attn_with_lse,
+    zero_shared_columns,
+)
 
 __all__ = [
     "vision_attn_backward",
@@ -78,29 +86,89 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _store_rows(base, rows, stride_t, offs_d, row_mask, x, HEAD_DIM: tl.constexpr):
-    """Store the fp32 tile ``x`` into rows (token indices, masked by ``row_mask``), rounded to base's dtype."""
-    mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    tl.store(base + rows[:, None] * stride_t + offs_d[None, :], x.to(base.dtype.element_ty), mask=mask)
+def _load_pair(
+    base,
+    rows,
+    stride_t,
+    cols,
+    row_mask,
+    HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
+    """A row tile over the (main, tail) head-dim tiles (:func:`~.config.head_dim_tiles`; ``cols`` as
+    :func:`~.forward.head_dim_columns` returns them): ``(main, tail)``, the tail the main tile again without one."""
+    main_cols, tail_cols = cols
+    main = load_rows(base, rows, stride_t, main_cols, row_mask, HEAD_DIM, MASK_ROWS, D_MAIN > HEAD_DIM)
+    tail = main
+    if D_TAIL > 0:
+        tail = load_rows(base, rows, stride_t, tail_cols, row_mask, HEAD_DIM, MASK_ROWS, False)
+    return main, tail
+
+
+@triton.jit
+def _dot_over_head_dim(a, b_t, DOT_PRECISION: tl.constexpr, D_TAIL: tl.constexpr):
+    """``a @ b_t`` summed over the head dim, for (main, tail) pairs of tiles whose head dim is the last: ``a``'s
+    tail has the shared columns zeroed (:func:`~.forward.zero_shared_columns`)."""
+    a_main, a_tail = a
+    b_main, b_tail = b_t
+    out = tl.dot(a_main, tl.trans(b_main), input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        out = tl.dot(a_tail, tl.trans(b_tail), out, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
+def _dot_into_head_dim(x, b, acc, DOT_PRECISION: tl.constexpr, D_TAIL: tl.constexpr):
+    """``acc + x @ b`` for a (main, tail) pair ``b`` of row tiles and a (main, tail) pair of accumulators."""
+    b_main, b_tail = b
+    acc_main, acc_tail = acc
+    acc_main = tl.dot(x, b_main, acc_main, input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        acc_tail = tl.dot(x, b_tail, acc_tail, input_precision=DOT_PRECISION)
+    return acc_main, acc_tail
+
+
+@triton.jit
+def _store_pair(
+    base, rows, stride_t, cols, row_mask, x, scale, HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr
+):
+    """Store the fp32 (main, tail) pair ``x`` times ``scale``, rounded to base's dtype (see
+    :func:`~.forward.store_rows`)."""
+    main_cols, tail_cols = cols
+    x_main, x_tail = x
+    store_rows(base, rows, stride_t, main_cols, row_mask, x_main * scale, 0, HEAD_DIM)
+    if D_TAIL > 0:
+        store_rows(base, rows, stride_t, tail_cols, row_mask, x_tail * scale, D_MAIN, HEAD_DIM)
+
+
+@triton.jit
+def _zeros_pair(ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr):
+    """fp32 zero accumulators for the (main, tail) head-dim tiles."""
+    tail_width: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+    return tl.zeros([ROWS, D_MAIN], dtype=tl.float32), tl.zeros([ROWS, tail_width], dtype=tl.float32)
 
 
 @triton.jit
 def _attn_bwd_dkdv_q_block(
-    # the key block's running gradients
+    # the key block's running (main, tail) gradients
     dk,
     dv,
     # the query block's first query in the segment
     m_start,
-    # what the query loop reads (see the dK/dV kernel): the key block's resident (k, v) tiles, (Q, DO, Lse,
-    # Delta, stride_qt, stride_dot) at the segment's first token, the segment's length, the head-dim columns
-    # and the logits' scale
+    # what the query loop reads (see the dK/dV kernel): the key block's resident (k, v) pairs of tiles (their
+    # tails with the shared columns zeroed), (Q, DO, Lse, Delta, stride_qt, stride_dot) at the segment's first
+    # token, the segment's length, the head-dim columns and the logits' scale
     kv,
     queries,
     seqlen,
-    offs_d,
+    cols,
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -114,8 +182,8 @@ def _attn_bwd_dkdv_q_block(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     q_mask = offs_m < seqlen
     rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-    q = load_rows(Q, rows, stride_qt, offs_d, q_mask, HEAD_DIM, MASK_Q)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    q = _load_pair(Q, rows, stride_qt, cols, q_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_Q)
+    s_t = _dot_over_head_dim(k, q, DOT_PRECISION, D_TAIL)
     if MASK_Q:
         # Rows past the segment get lse = +inf: probability 0, so they add nothing.
         lse = tl.load(Lse + offs_m, mask=q_mask, other=float("inf"))
@@ -126,11 +194,11 @@ def _attn_bwd_dkdv_q_block(
     p_t = tl.exp2(s_t * qk_scale - (lse * LOG2E)[None, :])
     p_low = p_t.to(Q.dtype.element_ty)
 
-    do = load_rows(DO, rows, stride_dot, offs_d, q_mask, HEAD_DIM, MASK_Q)
-    dv = tl.dot(p_low, do, dv, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    do = _load_pair(DO, rows, stride_dot, cols, q_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_Q)
+    dv = _dot_into_head_dim(p_low, do, dv, DOT_PRECISION, D_TAIL)
+    dp_t = _dot_over_head_dim(v, do, DOT_PRECISION, D_TAIL)
     ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
-    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    dk = _dot_into_head_dim(ds_t, q, dk, DOT_PRECISION, D_TAIL)
     return dk, dv
 
 
@@ -197,7 +265,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dvh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -226,15 +295,18 @@ def _attn_bwd_dkdv_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         kv_mask = offs_n < seqlen
         kv_rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
-        offs_d = tl.arange(0, BLOCK_D)
-        # Keys past the segment load as zeros; their dK and dV rows are never stored.
-        k = load_rows(K, kv_rows, stride_kt, offs_d, kv_mask, HEAD_DIM, True)
-        v = load_rows(V, kv_rows, stride_vt, offs_d, kv_mask, HEAD_DIM, True)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        cols = head_dim_columns(HEAD_DIM, D_MAIN, D_TAIL)
+        # Keys past the segment load as zeros; their dK and dV rows are never stored. k and v are the resident
+        # operands of the dots that sum over the head dim: their tails count the shared columns once.
+        k_main, k_tail = _load_pair(K, kv_rows, stride_kt, cols, kv_mask, HEAD_DIM, D_MAIN, D_TAIL, True)
+        v_main, v_tail = _load_pair(V, kv_rows, stride_vt, cols, kv_mask, HEAD_DIM, D_MAIN, D_TAIL, True)
+        k_tail = zero_shared_columns(k_tail, cols[1], D_MAIN, HEAD_DIM, D_TAIL)
+        v_tail = zero_shared_columns(v_tail, cols[1], D_MAIN, HEAD_DIM, D_TAIL)
+        dk = _zeros_pair(BLOCK_N, D_MAIN, D_TAIL)
+        dv = _zeros_pair(BLOCK_N, D_MAIN, D_TAIL)
 
         # What every query block reads (see _attn_bwd_dkdv_q_block).
-        kv = (k, v)
+        kv = ((k_main, k_tail), (v_main, v_tail))
         queries = (Q, DO, Lse, Delta, stride_qt, stride_dot)
         full_end = (seqlen // BLOCK_M) * BLOCK_M
         for m_start in range(0, full_end, BLOCK_M):
@@ -245,9 +317,11 @@ def _attn_bwd_dkdv_kernel(
                 kv,
                 queries,
                 seqlen,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_M,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
@@ -261,35 +335,40 @@ def _attn_bwd_dkdv_kernel(
                 kv,
                 queries,
                 seqlen,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_M,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_Q=True,
             )
 
-        _store_rows(DK, kv_rows, stride_dkt, offs_d, kv_mask, dk * softmax_scale, HEAD_DIM)
-        _store_rows(DV, kv_rows, stride_dvt, offs_d, kv_mask, dv, HEAD_DIM)
+        _store_pair(DK, kv_rows, stride_dkt, cols, kv_mask, dk, softmax_scale, HEAD_DIM, D_MAIN, D_TAIL)
+        _store_pair(DV, kv_rows, stride_dvt, cols, kv_mask, dv, 1.0, HEAD_DIM, D_MAIN, D_TAIL)
 
 
 @triton.jit
 def _attn_bwd_dq_kv_block(
-    # the query block's running gradient
+    # the query block's running (main, tail) gradient
     dq,
     # the key block's first key in the segment
     kv_start,
-    # what the key loop reads (see the dQ kernel): the query block's resident (q, do, lse2, delta), with lse2
-    # the rows' log-sum-exp in base 2, (K, V, stride_kt, stride_vt) at the segment's first token, the segment's
-    # length, the head-dim columns and the logits' scale
+    # what the key loop reads (see the dQ kernel): the query block's resident (q, do, lse2, delta), q and do as
+    # (main, tail) pairs with the shared columns of their tails zeroed and lse2 the rows' log-sum-exp in base 2,
+    # (K, V, stride_kt, stride_vt) at the segment's first token, the segment's length, the head-dim columns and
+    # the logits' scale
     queries,
     kv,
     seqlen,
-    offs_d,
+    cols,
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -302,16 +381,16 @@ def _attn_bwd_dq_kv_block(
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
-    k = load_rows(K, rows, stride_kt, offs_d, kv_mask, HEAD_DIM, MASK_KV)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    k = _load_pair(K, rows, stride_kt, cols, kv_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_KV)
+    s = _dot_over_head_dim(q, k, DOT_PRECISION, D_TAIL)
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASK_KV:
         p = tl.where(kv_mask[None, :], p, 0.0)
 
-    v = load_rows(V, rows, stride_vt, offs_d, kv_mask, HEAD_DIM, MASK_KV)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    v = _load_pair(V, rows, stride_vt, cols, kv_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_KV)
+    dp = _dot_over_head_dim(do, v, DOT_PRECISION, D_TAIL)
     ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
-    return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+    return _dot_into_head_dim(ds, k, dq, DOT_PRECISION, D_TAIL)
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
@@ -345,7 +424,8 @@ def _attn_bwd_dq_kernel(
     stride_dqh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -372,16 +452,19 @@ def _attn_bwd_dq_kernel(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
         q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-        offs_d = tl.arange(0, BLOCK_D)
-        # Rows past the segment load as zeros (lse 0 keeps their probabilities finite); never stored.
-        q = load_rows(Q, q_rows, stride_qt, offs_d, q_mask, HEAD_DIM, True)
-        do = load_rows(DO, q_rows, stride_dot, offs_d, q_mask, HEAD_DIM, True)
+        cols = head_dim_columns(HEAD_DIM, D_MAIN, D_TAIL)
+        # Rows past the segment load as zeros (lse 0 keeps their probabilities finite); never stored. q and do are
+        # the resident operands of the dots that sum over the head dim: their tails count the shared columns once.
+        q_main, q_tail = _load_pair(Q, q_rows, stride_qt, cols, q_mask, HEAD_DIM, D_MAIN, D_TAIL, True)
+        do_main, do_tail = _load_pair(DO, q_rows, stride_dot, cols, q_mask, HEAD_DIM, D_MAIN, D_TAIL, True)
+        q_tail = zero_shared_columns(q_tail, cols[1], D_MAIN, HEAD_DIM, D_TAIL)
+        do_tail = zero_shared_columns(do_tail, cols[1], D_MAIN, HEAD_DIM, D_TAIL)
         lse2 = tl.load(Lse + offs_m, mask=q_mask, other=0.0) * LOG2E
         delta = tl.load(Delta + offs_m, mask=q_mask, other=0.0)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _zeros_pair(BLOCK_M, D_MAIN, D_TAIL)
 
         # What every key block reads (see _attn_bwd_dq_kv_block).
-        queries = (q, do, lse2, delta)
+        queries = ((q_main, q_tail), (do_main, do_tail), lse2, delta)
         kv = (K, V, stride_kt, stride_vt)
         full_end = (seqlen // BLOCK_N) * BLOCK_N
         for kv_start in range(0, full_end, BLOCK_N):
@@ -391,9 +474,11 @@ def _attn_bwd_dq_kernel(
                 queries,
                 kv,
                 seqlen,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_N,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
@@ -406,16 +491,18 @@ def _attn_bwd_dq_kernel(
                 queries,
                 kv,
                 seqlen,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_N,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 MASK_KV=True,
             )
 
-        _store_rows(DQ, q_rows, stride_dqt, offs_d, q_mask, dq * softmax_scale, HEAD_DIM)
+        _store_pair(DQ, q_rows, stride_dqt, cols, q_mask, dq, softmax_scale, HEAD_DIM, D_MAIN, D_TAIL)
 
 
 def vision_attn_backward_launches(

@@ -32,9 +32,10 @@ __all__ = [
     "AttentionWork",
     "backward_launch_config",
     "head_dim_config",
-    "head_dim_tile",
+    "HeadDimTiles",
+    "head_dim_tiles",
     "heuristic_tiles",
-    "kv_descriptor",
+    "kv_descriptors",
     "launch_config",
     "launch_work",
     "needs_wide_offsets",
@@ -50,16 +51,46 @@ MAX_HEAD_DIM = 256
 SHORT_SEGMENT_MAX = 64
 
 
-def head_dim_tile(head_dim: int) -> int:
-    """The width of the head-dim tiles: the next power of two >= ``head_dim``, at least 16 (the smallest dot
-    dimension GPUs accept for 16-bit types); the kernels mask the columns past ``head_dim``.
+class HeadDimTiles(NamedTuple):
+    """How the kernels tile a head of ``head_dim`` columns (:func:`head_dim_tiles`): a main tile over columns
+    ``[0, main)`` and, where ``tail`` > 0, a tail tile over the last ``tail`` columns ``[head_dim - tail,
+    head_dim)``, which may overlap the main tile. Both widths are powers of two of at least 16, as dots need."""
 
-    One tile, not a power-of-two main part plus a narrow tail (72 = 64 + 16, 80/72 of the work where 128 does
-    128/72): on an H200 with Triton 3.6 the kernels with the 16-wide tail computed wrong results where a segment
-    ends inside a key block (NaN or errors of order 1 at D 72 and 80, an illegal address with 4 warps or TMA loads;
-    Triton's interpreter was right), and the same kernels with one padded tile matched float64 in those cases
-    (bench/results/run-20261204-0649/, diag-20261204/)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    main: int
+    tail: int
+
+    @property
+    def width(self) -> int:
+        """The columns the dots multiply per row: main plus tail."""
+        return self.main + self.tail
+
+
+def head_dim_tiles(head_dim: int) -> HeadDimTiles:
+    """The head-dim tiling of the attention kernels for heads of ``head_dim`` columns.
+
+    A power of two is one tile (at least 16 wide: narrower heads take a 16-wide tile with masked columns).
+    Otherwise the main tile is the largest power of two below ``head_dim`` and the tail tile the smallest power
+    of two (at least 16) that holds the rest, placed flush with the head's end: 72 = 64 + the 16 columns
+    ``[56, 72)``, 80 = 64 + ``[64, 80)``, 96 = 64 + 32. The dots then do 80/72 (1.11x) of the useful work at D 72
+    and none extra at 80 or 96, where one tile of the next power of two does 128/72 and 128/80. Where the tail
+    would be as wide as the main tile (D 24, 112, 200), one tile of twice the main width is the same work.
+
+    Every tail column is a real column of the head: no load needs a column mask. The columns the two tiles
+    share (``[56, 64)`` at D 72) are counted once: the kernels zero them in the tail of the resident operand
+    of each dot that sums over the head dim, and store only the tail's columns past the main tile. (The
+    16-wide tail the kernels had before, columns ``[64, 80)`` masked to ``< 72``, computed wrong results on an
+    H200 with Triton 3.6 wherever a segment ended inside a key block, though the same kernels were right in
+    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/.)"""
+    if head_dim <= 16:
+        return HeadDimTiles(16, 0)
+    main = triton.next_power_of_2(head_dim)
+    if main == head_dim:
+        return HeadDimTiles(main, 0)
+    main //= 2
+    tail = max(16, triton.next_power_of_2(head_dim - main))
+    if tail >= main:
+        return HeadDimTiles(2 * main, 0)
+    return HeadDimTiles(main, tail)
 
 
 # Tiles measured on devices by bench/tune_attention.py, read by launch_config (see tile_table).
@@ -94,10 +125,12 @@ def tma_capable(target: GPUTarget) -> bool:
 
 
 def head_dim_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """What every attention kernel's launch takes besides its tiles: the head-dim tile width
-    (:func:`head_dim_tile`), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA option."""
+    """What every attention kernel's launch takes besides its tiles: the head-dim tiling (:func:`head_dim_tiles`:
+    ``D_MAIN``, ``D_TAIL``, 0 for none), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA
+    option."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return dict(HEAD_DIM=head_dim, BLOCK_D=head_dim_tile(head_dim), DOT_PRECISION=precision, **FMA_CONTRACTION)
+    tiles = head_dim_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, D_MAIN=tiles.main, D_TAIL=tiles.tail, DOT_PRECISION=precision, **FMA_CONTRACTION)
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
@@ -134,10 +167,10 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
 def heuristic_tiles(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
     """The :data:`TILE_KEYS` :func:`launch_config` takes where the tile table has no entry (its docstring says
     why these)."""
-    block_d = head_dim_tile(head_dim)
-    if dtype == torch.float32 or block_d > 128:
+    width = head_dim_tiles(head_dim).width
+    if dtype == torch.float32 or width > 128:
         budget = shared_memory_per_block(target)
-        if dtype == torch.float32 and block_d > 128 and budget is not None and budget < 136 * 1024:
+        if dtype == torch.float32 and width > 128 and budget is not None and budget < 136 * 1024:
             return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, DESCRIPTORS=False)
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, DESCRIPTORS=False)
     if segment_class(max_seqlen) == "short":
@@ -161,11 +194,11 @@ def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | 
     of sm_86, sm_89 and sm_12x; tests/kernels/compile_sm90.py compiles them for sm_90 and sm_89. The
     interpreter ignores warps, stages and options.
     """
-    block_d = head_dim_tile(head_dim)
+    width = head_dim_tiles(head_dim).width
     if dtype == torch.float32:
         dkdv = dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
-    elif block_d > 128:
+    elif width > 128:
         dkdv = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     elif segment_class(max_seqlen) == "short":
@@ -196,12 +229,12 @@ def launch_work(cu_seqlens: np.ndarray, config: dict) -> AttentionWork:
     """The matmul work the attention kernel executes per head for ``cu_seqlens`` (host ints, any sequence)
     with ``config`` (:func:`launch_config`), against the useful work. A pure function of host data, as the
     kernel runs it: a segment of S tokens has ``ceil(S / BLOCK_M)`` busy programs, each multiplying a
-    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over ``BLOCK_D``
+    ``BLOCK_M``-row q tile with ``ceil(S / BLOCK_N)`` key blocks of ``BLOCK_N`` keys, over the ``D_MAIN + D_TAIL``
     columns, twice (q.k and p.v)."""
     bounds = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
     lengths = np.diff(bounds)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    width = config["BLOCK_D"]
+    width = config["D_MAIN"] + config["D_TAIL"]
     tiles = -(-lengths // block_m)
     keys = -(-lengths // block_n) * block_n
     return AttentionWork(
@@ -223,7 +256,12 @@ def needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
     return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
 
 
-def kv_descriptor(x: torch.Tensor, config: dict) -> TensorDescriptor:
-    """The TMA descriptor of a ``(T, H, D)`` key or value tensor, with ``(BLOCK_N, 1, BLOCK_D)`` boxes.
-    Out-of-bounds rows and columns read as zeros."""
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [config["BLOCK_N"], 1, config["BLOCK_D"]])
+def kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The TMA descriptors of a ``(T, H, D)`` key or value tensor for the main and the tail head-dim tiles
+    (:func:`head_dim_tiles`), with ``(BLOCK_N, 1, D_MAIN)`` and ``(BLOCK_N, 1, D_TAIL)`` boxes; without a tail,
+    the main one twice (the kernel reads only the first). Rows past T, and columns past D of a main tile wider
+    than the head, read as zeros."""
+    main = TensorDescriptor(x, list(x.shape), list(x.stride()), [config["BLOCK_N"], 1, config["D_MAIN"]])
+    if not config["D_TAIL"]:
+        return main, main
+    return main, TensorDescriptor(x, list(x.shape), list(x.stride()), [config["BLOCK_N"], 1, config["D_TAIL"]])

@@ -41,7 +41,7 @@ from ..rotary import (
 from ..tiles import aligned_stride
 from .config import (
     MAX_HEAD_DIM,
-    kv_descriptor,
+    kv_descriptors,
     launch_config,
     needs_wide_offsets,
     segment_search_steps,
@@ -93,44 +93,60 @@ def load_rows(
 def _load_kv(
     source,
     block,
-    offs_d,
+    cols,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    COL0: tl.constexpr,
+    WIDTH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_ROWS: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
 ):
-    """A ``(BLOCK_N, BLOCK_D)`` key or value tile. ``source`` is ``(X, token stride)``, ``block`` ``(rows,
-    kv_mask, desc_row, head)``. Pointer path: ``X`` points at the segment's first token of this head, and the
-    columns need a mask only where the tile is wider than the head. ``DESCRIPTORS``: ``X`` is a TMA descriptor
-    of the whole ``(T, H, D)`` tensor, read at token ``desc_row``; the hardware zero-fills the columns past D and
-    the rows past T, and rows of the next segment are zeroed here (their logits are -inf already, but a value
-    that is not finite would still turn 0 * x into NaN)."""
+    """A ``(BLOCK_N, WIDTH)`` key or value tile over the head-dim columns ``cols`` = ``COL0 + arange(WIDTH)`` (a
+    main or a tail tile, see :func:`~.config.head_dim_tiles`). ``source`` is ``(X, token stride)``, ``block``
+    ``(rows, kv_mask, desc_row, head)``. Pointer path: ``X`` points at the segment's first token of this head;
+    columns need a mask only in a main tile wider than the head (heads under 16 columns). ``DESCRIPTORS``: ``X``
+    is a TMA descriptor of the whole ``(T, H, D)`` tensor with ``(BLOCK_N, 1, WIDTH)`` boxes, read at token
+    ``desc_row``; the hardware zero-fills columns past D and rows past T, and rows of the next segment are zeroed
+    here (their logits are -inf already, but a value that is not finite would still turn 0 * x into NaN)."""
     X, stride_t = source
     rows, kv_mask, desc_row, head = block
     if DESCRIPTORS:
-        x = X.load([desc_row, head, 0]).reshape(BLOCK_N, BLOCK_D)
+        x = X.load([desc_row, head, COL0]).reshape(BLOCK_N, WIDTH)
         if MASK_ROWS:
             x = tl.where(kv_mask[:, None], x, 0.0)
     else:
-        x = load_rows(X, rows, stride_t, offs_d, kv_mask, HEAD_DIM, MASK_ROWS, BLOCK_D > HEAD_DIM)
+        x = load_rows(X, rows, stride_t, cols, kv_mask, HEAD_DIM, MASK_ROWS, COL0 + WIDTH > HEAD_DIM)
     return x
 
 
 @triton.jit
-def _load_rotated(base, rows, stride_t, offs_d, row_mask, pos, rope, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr):
-    """Load a tile of rows (masked by ``row_mask``) and, with ROTATE, rotate it and round it back to the
-    input dtype (as the standalone rotary op would store it): ``pos`` is the rows' ``(row_pos, col_pos)``,
-    ``rope`` the columns' ``(inv_freq, from_col, partner, sign)`` (:func:`~qvl.kernels.rotary.rope_dim_tables`)."""
-    x = load_rows(base, rows, stride_t, offs_d, row_mask, HEAD_DIM, True)
+def _load_q(
+    base,
+    rows,
+    stride_t,
+    cols,
+    row_mask,
+    pos,
+    rope,
+    HEAD_DIM: tl.constexpr,
+    ROTATE: tl.constexpr,
+    MASK_COLS: tl.constexpr,
+):
+    """Load a tile of q rows (masked by ``row_mask``) over the head-dim columns ``cols`` and, with ROTATE, rotate
+    it and round it back to the input dtype (as the standalone rotary op would store it): ``pos`` is the rows'
+    ``(row_pos, col_pos)``, ``rope`` the columns' ``(inv_freq, from_col, partner, sign)``
+    (:func:`~qvl.kernels.rotary.rope_dim_tables`). ``MASK_COLS``: the tile is wider than the head."""
+    x = load_rows(base, rows, stride_t, cols, row_mask, HEAD_DIM, True, MASK_COLS)
     if ROTATE:
         row_pos, col_pos = pos
         inv_freq, from_col, partner, sign = rope
-        x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True)
+        x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True, MASK_COLS)
         cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
         x = rope_apply(x, x_partner, cos, sin, sign)
-        # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
-        x = tl.where(offs_d[None, :] < HEAD_DIM, x, 0.0).to(base.dtype.element_ty)
+        if MASK_COLS:
+            # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
+            x = tl.where(cols[None, :] < HEAD_DIM, x, 0.0)
+        x = x.to(base.dtype.element_ty)
     return x
 
 
@@ -157,25 +173,54 @@ def program_tile(CuSeqlens, pid, num_segments, search_steps, BLOCK: tl.constexpr
 
 
 @triton.jit
+def head_dim_columns(HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr):
+    """The columns of the main and the tail head-dim tiles (:func:`~.config.head_dim_tiles`): ``arange(D_MAIN)``
+    and ``HEAD_DIM - D_TAIL + arange(D_TAIL)``. Without a tail (``D_TAIL`` 0) the second is a 16-wide
+    placeholder that no load or store uses (Triton needs the name bound)."""
+    tail_width: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+    return tl.arange(0, D_MAIN), (HEAD_DIM - tail_width) + tl.arange(0, tail_width)
+
+
+@triton.jit
+def zero_shared_columns(tail, tail_cols, D_MAIN: tl.constexpr, HEAD_DIM: tl.constexpr, D_TAIL: tl.constexpr):
+    """``tail`` (a tail tile) with the columns it shares with the main tile zeroed, so that a dot summing over the
+    head dim counts them once (in the main tile's dot)."""
+    if HEAD_DIM - D_TAIL < D_MAIN:
+        tail = tl.where(tail_cols[None, :] >= D_MAIN, tail, 0.0)
+    return tail
+
+
+@triton.jit
+def store_rows(base, rows, stride_t, cols, row_mask, x, FIRST_COL: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store the fp32 tile ``x`` over head-dim columns ``cols`` into rows (token indices, masked by ``row_mask``),
+    rounded to base's dtype: only columns in ``[FIRST_COL, HEAD_DIM)`` (a tail tile stores the columns past the
+    main tile; a main tile wider than the head, the head's)."""
+    mask = row_mask[:, None] & (cols[None, :] >= FIRST_COL) & (cols[None, :] < HEAD_DIM)
+    tl.store(base + rows[:, None] * stride_t + cols[None, :], x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _attn_kv_block(
-    # the query tile's running state
+    # the query tile's running state: (main, tail) accumulators, row max and row sum
     acc,
     m_i,
     l_i,
     # the key block's first key in the segment
     kv_start,
-    # what the key loop reads (see the kernel): q's tile, (K, token stride) and (V, token stride) (see _load_kv),
-    # (first token in the batch, head, length) of the segment, the head-dim columns, and the logits' scale
+    # what the key loop reads (see the kernel): q's (main, tail) tiles, (K, KTail, token stride) and (V, VTail,
+    # token stride) (see _load_kv), (first token in the batch, head, length) of the segment, the (main, tail)
+    # head-dim columns, and the logits' scale
     q,
     keys,
     values,
     segment,
-    offs_d,
+    cols,
     qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
@@ -184,13 +229,22 @@ def _attn_kv_block(
     """One step of the online softmax over keys ``[kv_start, kv_start + BLOCK_N)`` of the segment; ``MASK_KV``
     for the ragged last block."""
     seq_start, head, seqlen = segment
+    q_main, q_tail = q
+    acc_main, acc_tail = acc
+    K, KTail, stride_kt = keys
+    V, VTail, stride_vt = values
+    main_cols, tail_cols = cols
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
     block = (rows, kv_mask, seq_start + kv_start, head)
 
-    k = _load_kv(keys, block, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KV, DESCRIPTORS)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    k = _load_kv((K, stride_kt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
+    qk = tl.dot(q_main, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
+        k = _load_kv((KTail, stride_kt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
+        qk = tl.dot(q_tail, tl.trans(k), qk, input_precision=DOT_PRECISION)
     if MASK_KV:
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
 
@@ -200,20 +254,27 @@ def _attn_kv_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(q.dtype)
+    p = p.to(q_main.dtype)
 
-    v = _load_kv(values, block, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KV, DESCRIPTORS)
-    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    v = _load_kv((V, stride_vt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
+    acc_main = tl.dot(p, v, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
+        v = _load_kv((VTail, stride_vt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
+        acc_tail = tl.dot(p, v, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
+    return (acc_main, acc_tail), m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
 def _vision_attn_kernel(
     # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE). With DESCRIPTORS, K and V
-    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, BLOCK_D) boxes.
+    # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, D_MAIN) boxes, KTail and VTail with
+    # (BLOCK_N, 1, D_TAIL) boxes; without, KTail and VTail are K and V.
     Q,
     K,
     V,
+    KTail,
+    VTail,
     Out,
     CuSeqlens,
     Positions,
@@ -237,7 +298,8 @@ def _vision_attn_kernel(
     stride_lh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROTATE_Q: tl.constexpr,
@@ -267,32 +329,42 @@ def _vision_attn_kernel(
         if not DESCRIPTORS:
             K += first * stride_kt + head.to(tl.int64) * stride_kh
             V += first * stride_vt + head.to(tl.int64) * stride_vh
+            KTail, VTail = K, V
         Out += first * stride_ot + head.to(tl.int64) * stride_oh
 
         offs_m = m_start + tl.arange(0, BLOCK_M)
         q_mask = offs_m < seqlen
         q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
-        offs_d = tl.arange(0, BLOCK_D)
+        main_cols, tail_cols = head_dim_columns(HEAD_DIM, D_MAIN, D_TAIL)
 
         # Placeholders, replaced when ROTATE_Q (Triton needs every name bound on both paths).
         pos = (offs_m, offs_m)
-        rope = (offs_d, offs_d, offs_d, offs_d)
+        rope_main = (main_cols, main_cols, main_cols, main_cols)
+        rope_tail = (tail_cols, tail_cols, tail_cols, tail_cols)
         if ROTATE_Q:
             Positions += first * stride_pt
-            rope = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
+            rope_main = rope_dim_tables(main_cols, HEAD_DIM, log2_theta)
+            rope_tail = rope_dim_tables(tail_cols, HEAD_DIM, log2_theta)
             row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
             col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
             pos = (row_pos, col_pos)
-        q = _load_rotated(Q, q_rows, stride_qt, offs_d, q_mask, pos, rope, HEAD_DIM, ROTATE_Q)
+        q_main = _load_q(Q, q_rows, stride_qt, main_cols, q_mask, pos, rope_main, HEAD_DIM, ROTATE_Q, D_MAIN > HEAD_DIM)
+        q_tail = q_main
+        if D_TAIL > 0:
+            q_tail = _load_q(Q, q_rows, stride_qt, tail_cols, q_mask, pos, rope_tail, HEAD_DIM, ROTATE_Q, False)
+            q_tail = zero_shared_columns(q_tail, tail_cols, D_MAIN, HEAD_DIM, D_TAIL)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        tail_width: tl.constexpr = D_TAIL if D_TAIL > 0 else 16
+        acc = (tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32), tl.zeros([BLOCK_M, tail_width], dtype=tl.float32))
 
         # What every key block reads (see _attn_kv_block).
-        keys = (K, stride_kt)
-        values = (V, stride_vt)
+        q = (q_main, q_tail)
+        keys = (K, KTail, stride_kt)
+        values = (V, VTail, stride_vt)
         segment = (seq_start, head, seqlen)
+        cols = (main_cols, tail_cols)
         # Full key blocks need no row mask; the ragged last block is handled apart.
         full_end = (seqlen // BLOCK_N) * BLOCK_N
         for kv_start in range(0, full_end, BLOCK_N):
@@ -305,11 +377,12 @@ def _vision_attn_kernel(
                 keys,
                 values,
                 segment,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 DESCRIPTORS,
@@ -325,11 +398,12 @@ def _vision_attn_kernel(
                 keys,
                 values,
                 segment,
-                offs_d,
+                cols,
                 qk_scale,
                 HEAD_DIM,
+                D_MAIN,
+                D_TAIL,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
                 WIDE_OFFSETS,
                 DESCRIPTORS,
@@ -337,11 +411,10 @@ def _vision_attn_kernel(
             )
 
         inv_l = 1.0 / l_i
-        tl.store(
-            Out + q_rows[:, None] * stride_ot + offs_d[None, :],
-            (acc * inv_l[:, None]).to(Out.dtype.element_ty),
-            mask=q_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
-        )
+        acc_main, acc_tail = acc
+        store_rows(Out, q_rows, stride_ot, main_cols, q_mask, acc_main * inv_l[:, None], 0, HEAD_DIM)
+        if D_TAIL > 0:
+            store_rows(Out, q_rows, stride_ot, tail_cols, q_mask, acc_tail * inv_l[:, None], D_MAIN, HEAD_DIM)
         if STORE_LSE:
             # What the backward needs to rebuild each probability from one logit: the row's log-sum-exp of
             # the scaled logits, natural log (m_i and log2(l_i) are in base 2).
@@ -409,13 +482,16 @@ def vision_attn_launches(
         stride_pt=positions.stride(0) if apply_rope else 0,
         stride_lh=0 if lse is None else q.shape[0],
     )
+    k_tail, v_tail = k, v
     if config["DESCRIPTORS"]:
-        k, v = kv_descriptor(k, config), kv_descriptor(v, config)
+        (k, k_tail), (v, v_tail) = kv_descriptors(k, config), kv_descriptors(v, config)
     args = dict(
         # pointers (or K/V descriptors); those a variant does not read get cu_seqlens as a placeholder
         Q=q,
         K=k,
         V=v,
+        KTail=k_tail,
+        VTail=v_tail,
         Out=out,
         CuSeqlens=cu_seqlens,
         Positions=positions if apply_rope else cu_seqlens,

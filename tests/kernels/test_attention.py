@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import ON_GPU, float64_rotary
 from qvl.kernels import force_backend, rotary_2d_reference, vision_attn_reference
-from qvl.kernels.attention import head_dim_tile, launch_config
+from qvl.kernels.attention import head_dim_tiles, launch_config
 from qvl.kernels.common import device_target
 from tolerance import assert_error_within, online_softmax_ulps
 
@@ -118,8 +118,17 @@ def test_unusual_head_dims(head_dim):
     assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
 
 
-def test_head_dim_tile_is_the_next_power_of_two_from_16():
-    assert [head_dim_tile(d) for d in (8, 16, 64, 72, 80, 96, 136, 256)] == [16, 16, 64, 128, 128, 128, 256, 256]
+def test_head_dim_tiles_are_a_power_of_two_and_a_flush_tail():
+    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
+    tiles = [tuple(head_dim_tiles(d)) for d in dims]
+    assert tiles == [
+        (16, 0), (16, 0), (32, 0), (32, 16), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0), (128, 16), (256, 0),
+        (256, 0),
+    ]  # fmt: skip
+    for head_dim, (main, tail) in zip(dims, tiles):
+        # The tail lies inside the head and covers every column the main tile leaves.
+        assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
+    assert head_dim_tiles(72).width / 72 <= 1.15
 
 
 def test_softmax_scale_and_contiguous_inputs():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention import assert_close_to_float64, cu_seqlens_of, packed_qkv
 
-from qvl.kernels.attention import SHORT_SEGMENT_MAX, head_dim_tile, launch_config, launch_work, vision_attn_launches
+from qvl.kernels.attention import SHORT_SEGMENT_MAX, head_dim_tiles, launch_config, launch_work, vision_attn_launches
 from qvl.kernels.common import ADA, HOPPER, INTERPRETER
 from qvl.vit.metadata import build_metadata, build_window_metadata
 
@@ -58,10 +58,10 @@ def test_launch_takes_the_hinted_tiles_and_the_same_grid_formula():
 
 
 def test_launch_work_counts_tiles_keys_and_padded_columns():
-    config = launch_config(72, torch.float16, HOPPER, 64)  # 64 x 64 tiles, D 72 padded to 128 columns
+    config = launch_config(72, torch.float16, HOPPER, 64)  # 64 x 64 tiles, D 72 as 64 + 16 columns
     work = launch_work(np.array([0, 64, 64, 65, 165]), config)
     # 64 tokens: one 64 x 64 tile; 0: none; 1: one 64-row tile over 64 keys; 100: two over 128 keys.
-    assert work.executed == (64 * 64 + 64 * 64 + 2 * 64 * 128) * 128 * 4
+    assert work.executed == (64 * 64 + 64 * 64 + 2 * 64 * 128) * 80 * 4
     assert work.useful == (64**2 + 1 + 100**2) * 72 * 4
     assert work.programs == 165 // 64 + 4 and work.busy_programs == 4
     assert launch_work(np.array([0]), config) == (0, 0, 0, 0) and launch_work(np.array([0]), config).ratio == 1.0
@@ -85,8 +85,8 @@ def test_window_layouts_execute_at_most_1_3_times_the_useful_work_with_the_hint(
     assert windows.max_window_seqlen == 64
     hinted = launch_work(cu, launch_config(80, torch.bfloat16, HOPPER, windows.max_window_seqlen))
     plain = launch_work(cu, launch_config(80, torch.bfloat16, HOPPER))
-    # Rows and keys padded to tiles, over the head-dim columns padded to the tile (128 / 80) in both.
-    columns = head_dim_tile(80) / 80
+    # Rows and keys padded to tiles, over the head-dim tiles' columns (64 + 16 = 80: none extra) in both.
+    columns = head_dim_tiles(80).width / 80
     assert hinted.ratio <= 1.3 * columns, hinted
     assert 1.9 * columns <= plain.ratio <= 2.5 * columns, plain  # 2 on whole windows; edge windows pad more
     assert hinted.busy_programs == plain.busy_programs == windows.num_windows  # one tile per window either way
@@ -94,7 +94,7 @@ def test_window_layouts_execute_at_most_1_3_times_the_useful_work_with_the_hint(
 
 def test_whole_windows_pad_only_the_head_dim_columns():
     cu = build_window_metadata([(1, 32, 32)]).cu_window_seqlens.numpy()
-    columns = head_dim_tile(80) / 80
+    columns = head_dim_tiles(80).width / 80
     assert launch_work(cu, launch_config(80, torch.bfloat16, HOPPER, 64)).ratio == columns
     assert launch_work(cu, launch_config(80, torch.bfloat16, HOPPER)).ratio == 2.0 * columns
 
