@@ -238,11 +238,11 @@ def _attn_kv_block(
     kv_mask = offs_n < seqlen
     rows = offs_n.to(tl.int64) if WIDE_OFFSETS else offs_n
     block = (rows, kv_mask, seq_start + kv_start, head)
+    tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
 
     k = _load_kv((K, stride_kt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
     qk = tl.dot(q_main, tl.trans(k), input_precision=DOT_PRECISION)
     if D_TAIL > 0:
-        tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
         k = _load_kv((KTail, stride_kt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
         qk = tl.dot(q_tail, tl.trans(k), qk, input_precision=DOT_PRECISION)
     if MASK_KV:
@@ -259,7 +259,6 @@ def _attn_kv_block(
     v = _load_kv((V, stride_vt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
     acc_main = tl.dot(p, v, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
     if D_TAIL > 0:
-        tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
         v = _load_kv((VTail, stride_vt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
         acc_tail = tl.dot(p, v, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
     return (acc_main, acc_tail), m_new, l_i
