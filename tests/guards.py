@@ -11,7 +11,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_guards_intact", "guarded", "guarded_empty"]
+__all__ = ["LAYOUTS", "assert_clean", "assert_guards_intact", "guarded", "guarded_empty", "layout_pad"]
+
+# The layouts the kernels' guard tests run: every row on a 16-byte boundary (the kernels' aligned path), and
+# rows one element apart from it (their other path).
+LAYOUTS = ("aligned", "unaligned")
+
+
+def layout_pad(layout: str, dtype: torch.dtype) -> int:
+    """The ``pad`` of :func:`guarded_empty` that gives ``layout`` (one of :data:`LAYOUTS`) in ``dtype``: 16 bytes
+    of elements for "aligned", one element for "unaligned"."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return 16 // dtype.itemsize if layout == "aligned" else 1
 
 
 class _Guarded:
@@ -28,9 +40,15 @@ def guarded_empty(
     """A ``shape`` view full of NaN inside a larger NaN buffer: ``guard_rows`` rows of the leading dimension
     before and after it, and ``pad`` extra elements after each last-dim row (a gap between rows, and between
     heads of a ``(T, H, D)`` tensor). ``pad`` a multiple of 16 bytes keeps every row 16-byte aligned, as packed
-    qkv views are; other values give the unaligned layouts. The last dim stays contiguous."""
+    qkv views are; other values give the unaligned layouts. The last dim stays contiguous. A 1-D ``shape`` (a
+    weight, a bias) is one such row: guard rows before it, its pad and guard rows after it."""
     if not dtype.is_floating_point:
         raise TypeError("guard bands are NaN: floating-point tensors only")
+    if len(shape) == 1:
+        row = guarded_empty((1, *shape), dtype, device, guard_rows=guard_rows, pad=pad)
+        view = row[0]
+        view.guard_record = row.guard_record
+        return view
     rows, *middle, cols = shape
     buffer = torch.full((rows + 2 * guard_rows, *middle, cols + pad), float("nan"), dtype=dtype, device=device)
     view = buffer[guard_rows : guard_rows + rows, ..., :cols]
@@ -60,3 +78,11 @@ def assert_guards_intact(view: torch.Tensor) -> None:
     outside = record.buffer[~record.inside]
     written = ~outside.isnan()
     assert not bool(written.any()), f"{int(written.sum())} elements outside the tensor were written"
+
+
+def assert_clean(*views: torch.Tensor) -> None:
+    """Each guarded view holds finite values only (no band's NaN was read into it) and nothing outside it was
+    written (:func:`assert_guards_intact`)."""
+    for view in views:
+        assert bool(view.isfinite().all()), f"{int((~view.isfinite()).sum())} elements of a guarded view are not finite"
+        assert_guards_intact(view)
