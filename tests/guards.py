@@ -9,21 +9,28 @@ tests/ on sys.path).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["LAYOUTS", "assert_clean", "assert_guards_intact", "guarded", "guarded_empty", "layout_pad"]
+__all__ = ["LAYOUTS", "assert_clean", "assert_guards_intact", "guarded", "guarded_empty", "layout_pads"]
 
-# The layouts the kernels' guard tests run: every row on a 16-byte boundary (the kernels' aligned path), and
-# rows one element apart from it (their other path).
+# The layouts the kernels' guard tests run: every row on a 16-byte boundary (the kernels' aligned path), and row
+# strides that are no multiple of 16 bytes (their other path).
 LAYOUTS = ("aligned", "unaligned")
 
 
-def layout_pad(layout: str, dtype: torch.dtype) -> int:
-    """The ``pad`` of :func:`guarded_empty` that gives ``layout`` (one of :data:`LAYOUTS`) in ``dtype``: 16 bytes
-    of elements for "aligned", one element for "unaligned"."""
+def layout_pads(layout: str, dtype: torch.dtype) -> Iterator[int]:
+    """``pad`` values of :func:`guarded_empty` giving ``layout`` (one of :data:`LAYOUTS`) in ``dtype``, a new one for
+    each tensor of a test: 1, 2, 3, ... steps of 16 bytes for "aligned"; 1, 3, 5, ... elements for "unaligned",
+    which give rows of an even length a stride that is no multiple of 16 bytes. Each tensor then has a row stride
+    of its own, so a kernel stepping one tensor's rows with another's stride reads a band."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return 16 // dtype.itemsize if layout == "aligned" else 1
+    if layout == "aligned":
+        return itertools.count(16 // dtype.itemsize, 16 // dtype.itemsize)
+    return itertools.count(1, 2)
 
 
 class _Guarded:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import norm_params, row_strided
-from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pad
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend
 from qvl.kernels.common import device_target, run_launches
 from qvl.kernels.layer_norm import (
@@ -233,12 +233,12 @@ GUARDED_NORMS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", list(GUARDED_NORMS))
 def test_guard_bands(norm, dtype, layout, device):
-    eager, pad = GUARDED_NORMS[norm], layout_pad(layout, dtype)
+    eager, pads = GUARDED_NORMS[norm], layout_pads(layout, dtype)
     (x, delta, *params), grads = norm_grad_inputs(37, 200, dtype, device, seed=14)
     params = params[: 2 if norm == "layer_norm" else 1]
-    x, delta, grad_h, grad_y, *params = (guarded(t.detach(), pad=pad) for t in (x, delta, *grads, *params))
-    y, h, y_of_h, dx, dh = (guarded_empty(x.shape, dtype, device, pad=pad) for _ in range(5))
-    param_grads = [[guarded_empty(x.shape[1:], dtype, device, pad=pad) for _ in params] for _ in range(2)]
+    x, delta, grad_h, grad_y, *params = (guarded(t.detach(), pad=next(pads)) for t in (x, delta, *grads, *params))
+    y, h, y_of_h, dx, dh = (guarded_empty(x.shape, dtype, device, pad=next(pads)) for _ in range(5))
+    param_grads = [[guarded_empty(x.shape[1:], dtype, device, pad=next(pads)) for _ in params] for _ in range(2)]
     partials = [guarded_empty(norm_partials(x, len(params)).shape, torch.float32, device, pad=0) for _ in range(2)]
     target = device_target(x.device)
     run_launches(
