@@ -142,9 +142,13 @@ def norm_grad_inputs(rows, cols, dtype, device, seed):
     return [t.detach().requires_grad_() for t in (x, delta, weight, bias)], grads
 
 
+def eager_layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
+
+
 def eager_add_layer_norm(x, delta, weight, bias):
     h = x + delta
-    return h, F.layer_norm(h, (h.shape[1],), weight, bias, 1e-6)
+    return h, eager_layer_norm(h, weight, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,11 +158,8 @@ def test_layer_norm_backward(dtype, shape, backend, device):
         pytest.skip("bf16 on the torch path only")
     (x, delta, weight, bias), (grad_h, grad_y) = norm_grad_inputs(*shape, dtype, device, seed=10)
 
-    def eager_ln(x, weight, bias):
-        return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
-
     got = torch.autograd.grad(torch.ops.qvl.layer_norm(x, weight, bias, 1e-6), (x, weight, bias), grad_y)
-    assert_grads_within(got, eager_ln, [x, weight, bias], [grad_y], "layer_norm grads")
+    assert_grads_within(got, eager_layer_norm, [x, weight, bias], [grad_y], "layer_norm grads")
 
     inputs, grads = [x, delta, weight, bias], [grad_h, grad_y]
     got = torch.autograd.grad(torch.ops.qvl.add_layer_norm(*inputs, 1e-6), inputs, grads)
@@ -224,7 +225,7 @@ def test_compile_forward_backward_no_recompile(path, device):
 # of neither the row blocks nor the column tile.
 GUARDED_NORMS = {
     # The eager computation in the inputs' dtype (the baseline); in float64, the truth.
-    "layer_norm": lambda x, weight, bias: F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6),
+    "layer_norm": eager_layer_norm,
     "rms_norm": rms_norm_reference,
 }
 
