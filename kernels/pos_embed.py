@@ -53,6 +53,7 @@ __all__ = [
     "pos_embed_interp_launches",
     "pos_embed_interp_reference",
     "pos_embed_interp_torch",
+    "table_row_runs",
 ]
 
 NUM_TAPS = 4
@@ -303,6 +304,15 @@ def pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weigh
     return [KernelLaunch(_pos_embed_interp_backward_kernel, grid, args, kwargs)]
 
 
+def table_row_runs(interp_indices: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, run_starts)`` of :func:`pos_embed_interp_backward_launches` for ``interp_indices`` into a table of
+    ``num_rows`` rows, on the indices' device without a sync."""
+    # A stable sort keeps each row's pairs in (token, tap) order: the summation order, so the bits, are fixed.
+    sorted_rows, order = torch.sort(interp_indices.flatten(), stable=True)
+    bounds = torch.arange(num_rows + 1, dtype=sorted_rows.dtype, device=sorted_rows.device)
+    return order, torch.searchsorted(sorted_rows, bounds)
+
+
 def _launch_interp(pos_embed, interp_indices, interp_weights, out, add: bool) -> None:
     target = device_target(out.device)
     run_launches(pos_embed_interp_launches(pos_embed, interp_indices, interp_weights, out, add, target), out.device)
@@ -405,11 +415,7 @@ def pos_embed_interp_backward(
     _check_interp_backward_args(grad_out, pos_embed, interp_indices, interp_weights)
     if runs_torch(pos_embed.device):
         return pos_embed_interp_backward_reference(grad_out, pos_embed, interp_indices, interp_weights)
-    num_rows = pos_embed.shape[0]
-    # A stable sort keeps each row's pairs in (token, tap) order: the summation order, so the bits, are fixed.
-    sorted_rows, order = torch.sort(interp_indices.flatten(), stable=True)
-    bounds = torch.arange(num_rows + 1, dtype=sorted_rows.dtype, device=sorted_rows.device)
-    run_starts = torch.searchsorted(sorted_rows, bounds)
+    order, run_starts = table_row_runs(interp_indices, pos_embed.shape[0])
     grad_table = torch.empty(pos_embed.shape, dtype=pos_embed.dtype, device=pos_embed.device)
     target = device_target(pos_embed.device)
     launches = pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weights, grad_table, target)

@@ -9,9 +9,28 @@ tests/ on sys.path).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["assert_guards_intact", "guarded", "guarded_empty"]
+__all__ = ["LAYOUTS", "assert_clean", "assert_guards_intact", "guarded", "guarded_empty", "layout_pads"]
+
+# The layouts the kernels' guard tests run: every row on a 16-byte boundary (the kernels' aligned path), and row
+# strides that are no multiple of 16 bytes (their other path).
+LAYOUTS = ("aligned", "unaligned")
+
+
+def layout_pads(layout: str, dtype: torch.dtype) -> Iterator[int]:
+    """``pad`` values of :func:`guarded_empty` giving ``layout`` (one of :data:`LAYOUTS`) in ``dtype``, a new one for
+    each tensor of a test: 1, 2, 3, ... steps of 16 bytes for "aligned"; 1, 3, 5, ... elements for "unaligned",
+    which give rows of an even length a stride that is no multiple of 16 bytes. Each tensor then has a row stride
+    of its own, so a kernel stepping one tensor's rows with another's stride reads a band."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "aligned":
+        return itertools.count(16 // dtype.itemsize, 16 // dtype.itemsize)
+    return itertools.count(1, 2)
 
 
 class _Guarded:
@@ -28,9 +47,15 @@ def guarded_empty(
     """A ``shape`` view full of NaN inside a larger NaN buffer: ``guard_rows`` rows of the leading dimension
     before and after it, and ``pad`` extra elements after each last-dim row (a gap between rows, and between
     heads of a ``(T, H, D)`` tensor). ``pad`` a multiple of 16 bytes keeps every row 16-byte aligned, as packed
-    qkv views are; other values give the unaligned layouts. The last dim stays contiguous."""
+    qkv views are; other values give the unaligned layouts. The last dim stays contiguous. A 1-D ``shape`` (a
+    weight, a bias) is one such row: guard rows before it, its pad and guard rows after it."""
     if not dtype.is_floating_point:
         raise TypeError("guard bands are NaN: floating-point tensors only")
+    if len(shape) == 1:
+        row = guarded_empty((1, *shape), dtype, device, guard_rows=guard_rows, pad=pad)
+        view = row[0]
+        view.guard_record = row.guard_record
+        return view
     rows, *middle, cols = shape
     buffer = torch.full((rows + 2 * guard_rows, *middle, cols + pad), float("nan"), dtype=dtype, device=device)
     view = buffer[guard_rows : guard_rows + rows, ..., :cols]
@@ -60,3 +85,11 @@ def assert_guards_intact(view: torch.Tensor) -> None:
     outside = record.buffer[~record.inside]
     written = ~outside.isnan()
     assert not bool(written.any()), f"{int(written.sum())} elements outside the tensor were written"
+
+
+def assert_clean(*views: torch.Tensor) -> None:
+    """Each guarded view holds finite values only (no band's NaN was read into it) and nothing outside it was
+    written (:func:`assert_guards_intact`)."""
+    for view in views:
+        assert bool(view.isfinite().all()), f"{int((~view.isfinite()).sum())} elements of a guarded view are not finite"
+        assert_guards_intact(view)

@@ -124,3 +124,14 @@ def assert_error_within(actual, truth, baseline, *, factor=DEFAULT_FACTOR, eps=N
         f"{what or 'result'} ({actual.dtype}): error {error:.4g} against float64 exceeds the bound {bound:.4g}"
         f" = {factor:g} x torch's own error {baseline_error:.4g} + eps {eps:.4g}"
     )
+
+
+def assert_grads_within(got, eager_fn, inputs, grads, what=""):
+    """Pass when the gradients ``got`` of ``inputs`` (computed by the code under test for the output gradients
+    ``grads``) are within :func:`assert_error_within` of float64 autograd of ``eager_fn`` on the same values,
+    with ``eager_fn``'s own autograd in the inputs' dtype as the baseline."""
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    baseline = torch.autograd.grad(eager_fn(*leaves), leaves, grads)
+    assert_error_within(got, truth, baseline, what=what)

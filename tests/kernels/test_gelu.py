@@ -17,9 +17,17 @@ from transformers.activations import QuickGELUActivation
 from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionMlp
 
 from conftest import norm_params, row_strided
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend, torch_path
-from qvl.kernels.gelu import bias_gelu_reference
-from tolerance import assert_error_within
+from qvl.kernels.common import device_target, run_launches
+from qvl.kernels.gelu import (
+    GELU_APPROXIMATIONS,
+    bias_gelu_backward_launches,
+    bias_gelu_launches,
+    bias_gelu_reference,
+)
+from qvl.kernels.tiles import epilogue_backward_config
+from tolerance import assert_error_within, assert_grads_within
 from towers import float64_copy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -274,3 +282,36 @@ def test_inplace_refuses_autograd(device):
     assert torch.equal(x, torch.ops.qvl.bias_gelu(before, bias.detach(), "tanh"))
     torch.ops.qvl.bias_gelu_(before, bias.detach(), "tanh")
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("approximate", GELU_APPROXIMATIONS)
+def test_guard_bands(approximate, dtype, layout, device):
+    """bias_gelu out of place and in place and its backward (the partial-sum reduction included) with every float
+    tensor a view inside a NaN-filled buffer (tests/guards.py), on 37 rows of 1,100 columns (ragged row blocks, a
+    whole and a ragged column block): results finite and within the suite's rule, nothing written outside a view."""
+    torch.manual_seed(13)
+    pads = layout_pads(layout, dtype)
+    x, grad_y = (guarded(row_strided(37, 1100, dtype, device, scale=scale), pad=next(pads)) for scale in (3.0, 1.0))
+    bias = guarded((0.5 * torch.randn(1100, device=device)).to(dtype), pad=next(pads))
+    in_place = guarded(x, pad=next(pads))
+    y, dx = (guarded_empty(x.shape, dtype, device, pad=next(pads)) for _ in range(2))
+    dbias = guarded_empty(bias.shape, dtype, device, pad=next(pads))
+    target = device_target(x.device)
+    programs = epilogue_backward_config(*x.shape, target)["programs"]
+    partials = guarded_empty((1, programs, x.shape[1]), torch.float32, device, pad=0)
+    run_launches(
+        bias_gelu_launches(x, bias, y, approximate, target)
+        + bias_gelu_launches(in_place, bias, in_place, approximate, target)
+        + bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, target),
+        x.device,
+    )
+    assert_clean(x, bias, grad_y, y, in_place, dx, dbias, partials)
+
+    def eager(x, bias):
+        return eager_gelu(x, bias, approximate)
+
+    assert_error_within(y, eager(x.double(), bias.double()), eager(x, bias), what=f"bias_gelu {approximate}")
+    assert torch.equal(in_place, y)
+    assert_grads_within((dx, dbias), eager, [x, bias], [grad_y], f"bias_gelu {approximate} backward")

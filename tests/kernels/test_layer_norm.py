@@ -13,9 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from conftest import norm_params, row_strided
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend
-from qvl.kernels.layer_norm import MAX_NORM_DIM, layer_norm_reference
-from tolerance import assert_error_within, resolution
+from qvl.kernels.common import device_target, run_launches
+from qvl.kernels.layer_norm import (
+    MAX_NORM_DIM,
+    layer_norm_reference,
+    norm_backward_launches,
+    norm_launches,
+    norm_partials,
+)
+from qvl.kernels.rms_norm import rms_norm_reference
+from tolerance import assert_error_within, assert_grads_within, resolution
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -133,18 +142,13 @@ def norm_grad_inputs(rows, cols, dtype, device, seed):
     return [t.detach().requires_grad_() for t in (x, delta, weight, bias)], grads
 
 
+def eager_layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
+
+
 def eager_add_layer_norm(x, delta, weight, bias):
     h = x + delta
-    return h, F.layer_norm(h, (h.shape[1],), weight, bias, 1e-6)
-
-
-def assert_grads_within(qvl_fn, eager_fn, inputs, grads, what):
-    """Gradients of every input: qvl's against float64 autograd of ``eager_fn``, baseline eager's own."""
-    got = torch.autograd.grad(qvl_fn(*inputs), inputs, grads)
-    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
-    truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
-    baseline = torch.autograd.grad(eager_fn(*inputs), inputs, grads)
-    assert_error_within(got, truth, baseline, what=what)
+    return h, eager_layer_norm(h, weight, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,18 +158,12 @@ def test_layer_norm_backward(dtype, shape, backend, device):
         pytest.skip("bf16 on the torch path only")
     (x, delta, weight, bias), (grad_h, grad_y) = norm_grad_inputs(*shape, dtype, device, seed=10)
 
-    def eager_ln(x, weight, bias):
-        return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
+    got = torch.autograd.grad(torch.ops.qvl.layer_norm(x, weight, bias, 1e-6), (x, weight, bias), grad_y)
+    assert_grads_within(got, eager_layer_norm, [x, weight, bias], [grad_y], "layer_norm grads")
 
-    def qvl_ln(x, weight, bias):
-        return torch.ops.qvl.layer_norm(x, weight, bias, 1e-6)
-
-    assert_grads_within(qvl_ln, eager_ln, [x, weight, bias], [grad_y], "layer_norm grads")
-
-    def qvl_add(x, delta, weight, bias):
-        return torch.ops.qvl.add_layer_norm(x, delta, weight, bias, 1e-6)
-
-    assert_grads_within(qvl_add, eager_add_layer_norm, [x, delta, weight, bias], [grad_h, grad_y], "add grads")
+    inputs, grads = [x, delta, weight, bias], [grad_h, grad_y]
+    got = torch.autograd.grad(torch.ops.qvl.add_layer_norm(*inputs, 1e-6), inputs, grads)
+    assert_grads_within(got, eager_add_layer_norm, inputs, grads, "add grads")
 
 
 def test_backward_is_deterministic_and_takes_expanded_grads(backend, device):
@@ -219,3 +217,49 @@ def test_compile_forward_backward_no_recompile(path, device):
             # weight and bias gradients of the float64 run come back in fp32: compare against their float64 sums.
             truth = [t.double() for t in truth]
             assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")
+
+
+# Guard bands (tests/guards.py): every float tensor the kernels read or write is a view inside a NaN-filled buffer,
+# so a read past a tensor reaches a result and a write past one lands in a band. LayerNorm and RMSNorm share the
+# kernels (norm_launches, norm_backward_launches) and are tested together here: 37 rows of 200 columns, a multiple
+# of neither the row blocks nor the column tile.
+GUARDED_NORMS = {
+    # The eager computation in the inputs' dtype (the baseline); in float64, the truth.
+    "layer_norm": eager_layer_norm,
+    "rms_norm": rms_norm_reference,
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", list(GUARDED_NORMS))
+def test_guard_bands(norm, dtype, layout, device):
+    eager, pads = GUARDED_NORMS[norm], layout_pads(layout, dtype)
+    (x, delta, *params), grads = norm_grad_inputs(37, 200, dtype, device, seed=14)
+    params = params[: 2 if norm == "layer_norm" else 1]
+    x, delta, grad_h, grad_y, *params = (guarded(t.detach(), pad=next(pads)) for t in (x, delta, *grads, *params))
+    y, h, y_of_h, dx, dh = (guarded_empty(x.shape, dtype, device, pad=next(pads)) for _ in range(5))
+    param_grads = [[guarded_empty(x.shape[1:], dtype, device, pad=next(pads)) for _ in params] for _ in range(2)]
+    partials = [guarded_empty(norm_partials(x, len(params)).shape, torch.float32, device, pad=0) for _ in range(2)]
+    target = device_target(x.device)
+    run_launches(
+        norm_launches(x, None, None, params, y, 1e-6, target)
+        + norm_launches(x, delta, h, params, y_of_h, 1e-6, target)
+        + norm_backward_launches(grad_y, x, params[0], None, dx, partials[0], param_grads[0], 1e-6, target)
+        + norm_backward_launches(grad_y, h, params[0], grad_h, dh, partials[1], param_grads[1], 1e-6, target),
+        x.device,
+    )
+    assert_clean(x, delta, grad_h, grad_y, *params, y, h, y_of_h, dx, dh, *param_grads[0], *param_grads[1], *partials)
+
+    params64 = [p.double() for p in params]
+    assert_error_within(y, eager(x.double(), *params64), eager(x, *params), what=norm)
+    assert torch.equal(h, x + delta)
+    assert_error_within(y_of_h, eager(h.double(), *params64), eager(h, *params), what=f"{norm} of h = x + delta")
+    assert_grads_within((dx, *param_grads[0]), eager, [x, *params], [grad_y], f"{norm} backward")
+    assert_grads_within(
+        (dh, *param_grads[1]),
+        lambda h, *params: (h, eager(h, *params)),
+        [h, *params],
+        [grad_h, grad_y],
+        f"{norm} backward with grad_h",
+    )

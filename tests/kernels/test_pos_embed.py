@@ -11,9 +11,15 @@ import pytest
 import torch
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from qvl.kernels.common import force_backend
-from qvl.kernels.pos_embed import pos_embed_interp_reference
-from tolerance import assert_error_within
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
+from qvl.kernels.common import device_target, force_backend, run_launches
+from qvl.kernels.pos_embed import (
+    pos_embed_interp_backward_launches,
+    pos_embed_interp_launches,
+    pos_embed_interp_reference,
+    table_row_runs,
+)
+from tolerance import assert_error_within, assert_grads_within
 
 SIDE = 48
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -320,3 +326,37 @@ def test_autograd_refusals():
     assert torch.equal(hidden, torch.ops.qvl.pos_embed_interp(table.detach(), indices, weights))
     with pytest.raises(RuntimeError, match="no gradient flows to interp_weights"):
         torch.ops.qvl.pos_embed_interp(table, indices, weights.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_guard_bands(device, dtype, layout):
+    """pos_embed_interp, pos_embed_interp_add_ and the table's gradient with the table, the weights, the gradients
+    and every output a view inside a NaN-filled buffer (tests/guards.py; the int32 indices stay plain), on 72
+    tokens (a whole and a ragged token block) of 200 channels (a whole and a ragged channel block): the blends
+    exact, the gradient within the suite's rule, all finite, nothing written outside a view."""
+    torch.manual_seed(13)
+    pads = layout_pads(layout, dtype)
+    indices, weights = plan([(1, 6, 10), (1, 2, 6)], device, side=8)
+    table = guarded(make_table(200, dtype, device, side=8), pad=next(pads))
+    weights = guarded(weights, pad=next(pads))
+    hidden, grad_out = (
+        guarded(torch.randn(indices.shape[0], 200, device=device).to(dtype), pad=next(pads)) for _ in "ab"
+    )
+    before = hidden.clone()
+    out = guarded_empty(hidden.shape, dtype, device, pad=next(pads))
+    grad_table = guarded_empty(table.shape, dtype, device, pad=next(pads))
+    target = device_target(table.device)
+    order, run_starts = table_row_runs(indices, table.shape[0])
+    run_launches(
+        pos_embed_interp_launches(table, indices, weights, out, False, target)
+        + pos_embed_interp_launches(table, indices, weights, hidden, True, target)
+        + pos_embed_interp_backward_launches(grad_out, order, run_starts, weights, grad_table, target),
+        table.device,
+    )
+    assert_clean(table, weights, hidden, grad_out, out, grad_table)
+
+    pos = blend_in_tap_order(table, indices, weights)
+    assert torch.equal(out, pos.to(dtype))
+    assert torch.equal(hidden, before + pos.to(dtype))
+    assert_grads_within((grad_table,), lambda t: eager_interp(t, indices, weights), [table], [grad_out], "table grad")

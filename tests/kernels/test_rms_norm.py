@@ -5,6 +5,7 @@ torch path (the ``backend`` fixture). Errors are held to the suite's rule (toler
 the error of transformers' ``Qwen2_5_VLRMSNorm`` (``Qwen2RMSNorm``: the norm of Qwen2.5-VL's vision
 blocks and merger ``ln_q``) in the same dtype, plus two units of the dtype's resolution at the output's
 scale. The torch path is transformers' forward op for op, so it must match the module bit for bit.
+RMSNorm's guard-band test runs with LayerNorm's, on the kernels they share (test_layer_norm.py).
 """
 
 import contextlib
@@ -17,7 +18,7 @@ from conftest import norm_params, row_strided
 from qvl.kernels import force_backend
 from qvl.kernels.layer_norm import MAX_NORM_DIM
 from qvl.kernels.rms_norm import rms_norm_reference
-from tolerance import assert_error_within, resolution
+from tolerance import assert_error_within, assert_grads_within, resolution
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -187,14 +188,6 @@ def test_bad_inputs(case, argument_check_inputs):
 # held to the suite's rule with torch's own autograd in the same dtype as the baseline.
 
 
-def assert_grads_within(qvl_fn, eager_fn, inputs, grads, what):
-    got = torch.autograd.grad(qvl_fn(*inputs), inputs, grads)
-    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
-    truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
-    baseline = torch.autograd.grad(eager_fn(*inputs), inputs, grads)
-    assert_error_within(got, truth, baseline, what=what)
-
-
 def grad_inputs(rows, cols, dtype, device, seed):
     torch.manual_seed(seed)
     x = row_strided(rows, cols, dtype, device, scale=2.0, shift=1.0)
@@ -215,16 +208,11 @@ def test_rms_norm_backward(dtype, shape, backend, device):
     if dtype == torch.bfloat16 and backend == "interpreter":
         pytest.skip("bf16 on the torch path only")
     (x, delta, weight), (grad_h, grad_y) = grad_inputs(*shape, dtype, device, seed=10)
-    assert_grads_within(
-        lambda x, w: torch.ops.qvl.rms_norm(x, w, 1e-6), rms_norm_reference, [x, weight], [grad_y], "rms_norm grads"
-    )
-    assert_grads_within(
-        lambda x, d, w: torch.ops.qvl.add_rms_norm(x, d, w, 1e-6),
-        eager_add_rms_norm,
-        [x, delta, weight],
-        [grad_h, grad_y],
-        "add_rms_norm grads",
-    )
+    got = torch.autograd.grad(torch.ops.qvl.rms_norm(x, weight, 1e-6), (x, weight), grad_y)
+    assert_grads_within(got, rms_norm_reference, [x, weight], [grad_y], "rms_norm grads")
+    inputs, grads = [x, delta, weight], [grad_h, grad_y]
+    got = torch.autograd.grad(torch.ops.qvl.add_rms_norm(*inputs, 1e-6), inputs, grads)
+    assert_grads_within(got, eager_add_rms_norm, inputs, grads, "add_rms_norm grads")
 
 
 def backward_opcheck_cases(device):

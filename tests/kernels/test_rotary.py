@@ -11,7 +11,10 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 from transformers.vision_utils import get_vision_position_ids
 
 from conftest import float64_rotary
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend, rotary_2d_reference
+from qvl.kernels.common import device_target, run_launches
+from qvl.kernels.rotary import rotary_launches
 from tolerance import assert_error_within
 
 GRIDS = [[1, 2, 2], [1, 6, 10], [1, 50, 34], [2, 8, 8], [4, 16, 12]]
@@ -186,3 +189,36 @@ def test_bad_input(mutate, error, words):
     args = dict(q=torch.randn(8, 2, 72), k=torch.randn(8, 2, 72), positions=torch.zeros(8, 2, dtype=torch.int32))
     with pytest.raises(error, match=words):
         torch.ops.qvl.rotary_2d(**mutate(args))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_guard_bands(dtype, layout):
+    """rotary_2d, rotary_2d_ and the backward's inverse rotation with q, k, their gradients and every output a view
+    inside a NaN-filled buffer (tests/guards.py; a gap after each head), on 37 tokens (a whole and a ragged token
+    block) of 3 heads of 72 dims (a ragged dim tile), down the aligned-strides path or the other one: results finite
+    and within the suite's rule, nothing written outside a view."""
+    torch.manual_seed(13)
+    pads = layout_pads(layout, dtype)
+    positions = torch.randint(0, 50, (37, 2), dtype=torch.int32)
+    q, k, grad_q, grad_k = (guarded(t.to(dtype), pad=next(pads)) for t in torch.randn(4, 37, 3, 72))
+    q_in_place, k_in_place = guarded(q, pad=next(pads)), guarded(k, pad=next(pads))
+    q_rot, k_rot, dq, dk = (guarded_empty(q.shape, dtype, pad=next(pads)) for _ in range(4))
+    target = device_target(q.device)
+    launches = (
+        rotary_launches(q, k, q_rot, k_rot, positions, 10000.0, target)
+        + rotary_launches(q_in_place, k_in_place, q_in_place, k_in_place, positions, 10000.0, target)
+        + rotary_launches(grad_q, grad_k, dq, dk, positions, 10000.0, target, inverse=True)
+    )
+    assert all(launch.kwargs["STRIDES_ALIGNED"] == (layout == "aligned") for launch in launches)
+    run_launches(launches, q.device)
+    assert_clean(q, k, grad_q, grad_k, q_in_place, k_in_place, q_rot, k_rot, dq, dk)
+
+    truth, in_transformers = float64_rotary(q, k, positions), transformers_rotary(q, k, positions, 72)
+    assert_error_within((q_rot, k_rot), truth, in_transformers, what="q, k")
+    assert torch.equal(q_in_place, q_rot) and torch.equal(k_in_place, k_rot)
+    truth = rotary_gradients(float64_rotary, q.double(), k.double(), positions, grad_q.double(), grad_k.double())
+    in_transformers = rotary_gradients(
+        lambda q, k, positions: transformers_rotary(q, k, positions, 72), q, k, positions, grad_q, grad_k
+    )
+    assert_error_within((dq, dk), truth, in_transformers, what="dq, dk")

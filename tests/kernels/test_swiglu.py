@@ -16,9 +16,12 @@ from transformers import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
 
 from conftest import row_strided
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend
-from qvl.kernels.swiglu import bias_swiglu_reference
-from tolerance import assert_error_within
+from qvl.kernels.common import device_target, run_launches
+from qvl.kernels.swiglu import bias_swiglu_backward_launches, bias_swiglu_launches, bias_swiglu_reference
+from qvl.kernels.tiles import epilogue_backward_config
+from tolerance import assert_error_within, assert_grads_within
 from towers import float64_copy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -214,3 +217,31 @@ def test_compile_forward_backward_no_recompile(path, device):
             ]
             baseline = torch.autograd.grad(swiglu_sum(gate, up, True), (gate, up, gate_bias, up_bias))
             assert_error_within(got, truth, baseline, ulps=4, what=f"{rows} rows")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_guard_bands(dtype, layout, device):
+    """bias_swiglu and its backward (the partial-sum reduction included) with every float tensor a view inside a
+    NaN-filled buffer (tests/guards.py), on 37 rows of 1,100 columns (ragged row blocks, a whole and a ragged
+    column block): results finite and within the suite's rule, nothing written outside a view."""
+    torch.manual_seed(13)
+    pads = layout_pads(layout, dtype)
+    gate, up, grad_y = (guarded(row_strided(37, 1100, dtype, device, scale=s), pad=next(pads)) for s in (3.0, 2.0, 1.0))
+    gate_bias, up_bias = (guarded((0.5 * torch.randn(1100, device=device)).to(dtype), pad=next(pads)) for _ in range(2))
+    y, d_gate, d_up = (guarded_empty(gate.shape, dtype, device, pad=next(pads)) for _ in range(3))
+    d_gate_bias, d_up_bias = (guarded_empty(gate_bias.shape, dtype, device, pad=next(pads)) for _ in range(2))
+    target = device_target(gate.device)
+    programs = epilogue_backward_config(*gate.shape, target)["programs"]
+    partials = guarded_empty((2, programs, gate.shape[1]), torch.float32, device, pad=0)
+    inputs = [gate, up, gate_bias, up_bias]
+    grads = [d_gate, d_up, d_gate_bias, d_up_bias]
+    run_launches(
+        bias_swiglu_launches(*inputs, y, target)
+        + bias_swiglu_backward_launches(grad_y, *inputs, d_gate, d_up, partials, d_gate_bias, d_up_bias, target),
+        gate.device,
+    )
+    assert_clean(*inputs, grad_y, y, *grads, partials)
+
+    assert_error_within(y, eager_swiglu(*(t.double() for t in inputs)), eager_swiglu(*inputs), what="bias_swiglu")
+    assert_grads_within(grads, eager_swiglu, inputs, [grad_y], "bias_swiglu backward")
