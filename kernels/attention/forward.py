@@ -184,8 +184,8 @@ def head_dim_columns(HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.co
 @triton.jit
 def zero_shared_columns(tail, tail_cols, D_MAIN: tl.constexpr, HEAD_DIM: tl.constexpr, D_TAIL: tl.constexpr):
     """``tail`` (a tail tile) with the columns it shares with the main tile zeroed, so that a dot summing over the
-    head dim counts them once (in the main tile's dot)."""
-    if HEAD_DIM - D_TAIL < D_MAIN:
+    head dim counts them once (in the main tile's dot). Without a tail (``D_TAIL`` 0), ``tail`` unchanged."""
+    if D_TAIL > 0 and HEAD_DIM - D_TAIL < D_MAIN:
         tail = tl.where(tail_cols[None, :] >= D_MAIN, tail, 0.0)
     return tail
 

@@ -1,0 +1,64 @@
+"""The attention kernels with every floating-point tensor they read or write inside NaN guard bands
+(tests/guards.py): q, k, v, the output, the log-sum-exp, the output's gradient and dq, dk, dv are views into
+NaN-filled buffers with rows of their own stride, so a load outside a tensor, a lane used without its mask, or a
+row stepped with another tensor's stride turns the interpreter's result into NaN, and a stray store shows in a
+band. On a GPU a read outside an allocation faults or returns garbage; the interpreter forgives it (masked lanes
+read as 0, no address faults), which is how a wrong head-dim tail passed here once and failed on an H200.
+
+Segments end inside key and query blocks ([1, 100, 64, 0, 33]: every tile class of 64- and 128-row tiles), head
+dims 72 (a tail sharing 8 columns with the main tile), 80 (a tail flush with the main tile) and 24 (one tile wider
+than the head), pointer and TMA-descriptor loads, with and without the fused rotary.
+"""
+
+import pytest
+import torch
+from test_attention import assert_close_to_float64, cu_seqlens_of
+from test_attention_backward import assert_gradients_close_to_float64
+
+from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
+from qvl.kernels.attention import vision_attn_backward_launches, vision_attn_launches
+from qvl.kernels.common import device_target, run_launches
+
+LENGTHS = [1, 100, 64, 0, 33]
+
+
+def guarded_inputs(head_dim, dtype, layout, with_positions, seed):
+    """q, k, v and the output's gradient as guarded views, each with a row stride of its own; positions or None."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(LENGTHS)
+    pads = layout_pads(layout, dtype)
+    q, k, v, grad_out = (
+        guarded(x.to(dtype), pad=next(pads)) for x in torch.randn(4, num_tokens, 2, head_dim, generator=gen)
+    )
+    positions = torch.randint(0, 30, (num_tokens, 2), generator=gen, dtype=torch.int32) if with_positions else None
+    return (q, k, v, grad_out, positions), pads
+
+
+@pytest.mark.parametrize("descriptors", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [72, 80, 24])
+def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_positions, descriptors):
+    dtype = torch.float16
+    (q, k, v, grad_out, positions), pads = guarded_inputs(head_dim, dtype, layout, with_positions, seed=head_dim)
+    cu = cu_seqlens_of(LENGTHS)
+    target = device_target(q.device)
+    out = guarded_empty(q.shape, dtype, pad=next(pads))
+    lse = guarded_empty((q.shape[1] * q.shape[0],), torch.float32, pad=next(pads))
+    launches = vision_attn_launches(
+        q, k, v, out, cu, None, positions, 10000.0, target, max(LENGTHS), lse, tiles={"DESCRIPTORS": descriptors}
+    )
+    # TMA needs every K and V row on a 16-byte boundary: the unaligned layout takes pointers whatever is asked.
+    assert launches[-1].kwargs["DESCRIPTORS"] == (descriptors and layout == "aligned")
+    run_launches(launches, q.device)
+    assert_clean(q, k, v, out, lse)
+    assert_close_to_float64(out.contiguous(), q, k, v, cu, positions=positions, max_seqlen=max(LENGTHS))
+
+    dq, dk, dv = (guarded_empty(q.shape, dtype, pad=next(pads)) for _ in range(3))
+    backward = vision_attn_backward_launches(
+        grad_out, q, k, v, out, lse, dq, dk, dv, cu, None, positions, 10000.0, target, max(LENGTHS)
+    )
+    run_launches(backward, q.device)
+    assert_clean(q, k, v, out, lse, grad_out, dq, dk, dv)
+    grads = tuple(g.contiguous() for g in (dq, dk, dv))
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
