@@ -2,12 +2,14 @@
 
 Peers, each skipped with its reason where it cannot run: torch's ``varlen_attn`` (PyTorch's own
 FlashAttention), ``flex_attention`` compiled with a per-image block mask, SDPA called once per image
-(transformers' path when flash-attn is absent), flash-attn's ``flash_attn_varlen_func``, and SGLang's
+(transformers' path when flash-attn is absent) with each CUDA backend named through ``sdpa_kernel``
+(``sdpa/cudnn``, ``sdpa/flash``; on a CPU ``sdpa/image``, torch's own choice), flash-attn's
+``flash_attn_varlen_func`` (FA2) and FlashAttention 3's (``flash_attn_interface``, Hopper), and SGLang's
 ``triton_attn`` ViT backend (``context_attention_fwd``, where sglang imports; CUDA only). qvl also
-runs with its fused rotary (``positions=``: q rotated in the kernel, k by one rotary pass) and with
-``rotary_2d`` on q and k before it, to show what rope costs each way.
+runs with its fused rotary (``positions=``, the call the towers make) and with ``rotary_2d`` on q and k before
+it, to show what rope costs each way.
 
-    python -m bench.bench_attention [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
+    python -m bench.bench_attention [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu] [--skip PEERS]
 
 Rates are useful TFLOP/s, 4*H*D*sum(S_i^2) / time at the true head dim. On a CPU only the torch paths
 run, on tiny shapes.
@@ -15,6 +17,7 @@ run, on tiny shapes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +30,19 @@ import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
 
 from . import harness
 from .harness import Device, Report, RunConfig
-from .workloads import MIXED_8, MIXED_TINY, MODELS, Grid, VisionDims, cu_seqlens, label, positions, seqlens, square
+from .workloads import (
+    MIXED_8,
+    MIXED_TINY,
+    MODELS,
+    VIDEO_16,
+    Grid,
+    VisionDims,
+    cu_seqlens,
+    label,
+    positions,
+    seqlens,
+    square,
+)
 
 
 @dataclass(frozen=True)
@@ -59,9 +74,12 @@ Bind = Callable[[Inputs], Callable[[], torch.Tensor]]
 def cases(device: Device, quick: bool) -> list[Case]:
     if not device.is_cuda:
         return [Case(MODELS["8B"], square(64)), Case(MODELS["8B"], MIXED_TINY), Case(MODELS["2B"], square(64))]
-    sizes = (1024, 4096) if quick else (256, 1024, 4096, 16384)
-    grids = [*(square(s) for s in sizes), MIXED_8]
-    return [Case(MODELS[m], g) for m in (("8B",) if quick else ("8B", "2B")) for g in grids]
+    if quick:  # device_check.sh's: the issue's cases, Qwen3-VL 8B's D 72 first
+        return [Case(MODELS["8B"], g) for g in (square(1024), square(4096), square(16384), MIXED_8, VIDEO_16)] + [
+            Case(MODELS["2B"], g) for g in (square(4096), square(16384), MIXED_8)
+        ]
+    grids = [*(square(s) for s in (256, 1024, 4096, 16384)), MIXED_8, VIDEO_16]
+    return [Case(MODELS[m], g) for m in ("8B", "2B") for g in grids]
 
 
 def make_inputs(case: Case, device: Device, dtype: torch.dtype, count: int = 1, seed: int = 0) -> list[Inputs]:
@@ -130,6 +148,22 @@ def flash_attn_varlen(device: Device) -> Bind:
     return lambda x: lambda: op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
 
 
+def flash_attn_3_varlen(device: Device) -> Bind:
+    """FlashAttention 3 (the Hopper build's ``flash_attn_interface``), which returns ``(out, lse)`` in some
+    releases and ``out`` in others."""
+    harness.require_cuda(device)
+    from flash_attn_interface import flash_attn_varlen_func as op
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            out = op(x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen)
+            return out[0] if isinstance(out, tuple) else out
+
+        return call
+
+    return bind
+
+
 def sglang_triton_attn(device: Device) -> Bind:
     """SGLang's ``triton_attn`` ViT backend as ``VisionTritonAttention`` calls it: non-causal
     ``context_attention_fwd`` with each segment's start and length."""
@@ -186,19 +220,29 @@ def flex_attention(device: Device) -> Bind:
     return bind
 
 
-def sdpa_per_image(device: Device) -> Bind:
+def sdpa_per_image(device: Device, backend: str | None = None) -> Bind:
     """transformers' vision attention without flash-attn: (1, H, T, D) views split per image, one SDPA
-    call each, the lengths read back to the host in every block."""
+    call each, the lengths read back to the host in every block. ``backend``: the ``SDPBackend`` name every
+    call is pinned to with ``sdpa_kernel`` (CUDA: each backend a peer of its own); None, torch's own choice,
+    which stands in on a CPU, where the named CUDA backends cannot run."""
+    if backend is not None:
+        harness.require_cuda(device)
+    elif device.is_cuda:
+        raise harness.Unavailable("on CUDA the SDPA backends run by name (sdpa/cudnn, sdpa/flash)")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = (lambda: sdpa_kernel(getattr(SDPBackend, backend))) if backend else contextlib.nullcontext
 
     def bind(x: Inputs) -> Callable[[], torch.Tensor]:
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (x.q, x.k, x.v))
 
         def call() -> torch.Tensor:
             lengths = (x.cu_seqlens[1:] - x.cu_seqlens[:-1]).tolist()
-            outs = [
-                F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).contiguous()
-                for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
-            ]
+            with pinned():
+                outs = [
+                    F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).contiguous()
+                    for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
+                ]
             return torch.cat(outs, dim=1)[0]
 
         return call
@@ -214,16 +258,21 @@ QVL_VARIANTS: dict[str, Callable[[Device], Bind]] = {
 PEERS: dict[str, Callable[[Device], Bind]] = {
     "varlen_attn": varlen_attn,
     "flex_attention": flex_attention,
+    "sdpa/cudnn": partial(sdpa_per_image, backend="CUDNN_ATTENTION"),
+    "sdpa/flash": partial(sdpa_per_image, backend="FLASH_ATTENTION"),
     "sdpa/image": sdpa_per_image,
     "flash_attn": flash_attn_varlen,
+    "flash_attn_3": flash_attn_3_varlen,
     "sglang/triton_attn": sglang_triton_attn,
 }
 BASELINES = ("varlen_attn", "sdpa/image")  # sdpa/image stands in where varlen_attn cannot run (CPU)
 
 
-def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind], dict[str, str]]:
+def available_peers(
+    device: Device, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+) -> tuple[dict[str, Bind], dict[str, str]]:
     trial = make_inputs(Case(MODELS["8B"], MIXED_TINY), device, dtype)[0]
-    return harness.device_peers(PEERS, device, trial)
+    return harness.device_peers(PEERS, device, trial, skip)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,18 +300,33 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
         if "qvl" in records and name in records:
             overhead = 100 * (records[name].ms / records["qvl"].ms - 1)
             records[name].note = f"{what} {overhead:+.1f}% vs qvl"
+    note_best_peer(records, peers)
 
 
-def run_cases(report: Report, peers: dict[str, Bind], config: RunConfig, run=run_case) -> Report:
-    """Every case of :func:`cases` through ``run`` (this module's :func:`run_case`, or the training benchmark's),
-    with the notes the peers that ran need; returns ``report``."""
+def note_best_peer(records: dict[str, harness.Record], peers: dict[str, Bind]) -> None:
+    """Append to each qvl variant's note its speedup over the fastest peer timed in the same case."""
+    timed = [(records[name].ms, name) for name in peers if name in records]
+    if not timed:
+        return
+    best_ms, best = min(timed)
+    for name in QVL_VARIANTS:
+        if name in records:
+            record = records[name]
+            record.note = "; ".join(filter(None, [record.note, f"{best_ms / record.ms:.2f}x best peer ({best})"]))
+
+
+def run_cases(
+    report: Report, peers: dict[str, Bind], config: RunConfig, run=run_case, case_list: Sequence[Case] | None = None
+) -> Report:
+    """Every case of ``case_list`` (default :func:`cases`) through ``run`` (this module's :func:`run_case`, or the
+    training benchmark's), with the notes the peers that ran need; returns ``report``."""
     if "flash_attn" in peers:
         report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
     if "sglang/triton_attn" in peers:
         report.meta["sglang"] = importlib.metadata.version("sglang")
     if "flex_attention" in peers:
         report.notes.append("flex_attention: head dim padded to a power of two; block mask built outside the timing")
-    for case in cases(config.device, config.quick):
+    for case in cases(config.device, config.quick) if case_list is None else case_list:
         print(f"{report.bench}: {case.name}", flush=True)
         run(report, case, peers, config.device, config.dtype)
     return report
@@ -270,7 +334,7 @@ def run_cases(report: Report, peers: dict[str, Bind], config: RunConfig, run=run
 
 def benchmark(config: RunConfig) -> Report:
     report = Report("attention", config.device, config.dtype, "flops", BASELINES)
-    peers, report.skipped = available_peers(config.device, config.dtype)
+    peers, report.skipped = available_peers(config.device, config.dtype, config.skip)
     return run_cases(report, peers, config)
 
 

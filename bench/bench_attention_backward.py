@@ -24,6 +24,7 @@ import torch
 from . import bench_attention, harness
 from .bench_attention import BASELINES, PEERS, QVL_VARIANTS, Bind, Case, Inputs
 from .harness import Device, Report, RunConfig
+from .workloads import square
 
 # Useful FLOPs of forward + backward over the forward's alone: the backward's dV = P^T dO, dP = dO V^T,
 # dQ = dS K and dK = dS^T Q are 2x the forward's two matmuls, and counting the recomputed S = QK^T at half
@@ -52,11 +53,21 @@ def with_backward(bind: Bind, device: Device) -> Bind:
     return bound
 
 
-def available_peers(device: Device, dtype: torch.dtype) -> tuple[dict[str, Bind], dict[str, str]]:
+def available_peers(
+    device: Device, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+) -> tuple[dict[str, Bind], dict[str, str]]:
     """The peers that run forward and backward here (some have no backward in some torch releases)."""
     trial = bench_attention.make_inputs(Case(bench_attention.MODELS["8B"], bench_attention.MIXED_TINY), device, dtype)
     training = {name: lambda d, build=build: with_backward(build(d), d) for name, build in PEERS.items()}
-    return harness.device_peers(training, device, trial[0])
+    return harness.device_peers(training, device, trial[0], skip)
+
+
+def cases(device: Device, quick: bool) -> list[Case]:
+    """bench_attention's cases; quick on a GPU, the issue's training ones: long single images (S >= 4,096)."""
+    if device.is_cuda and quick:
+        models = bench_attention.MODELS
+        return [Case(models["8B"], square(4096)), Case(models["8B"], square(16384)), Case(models["2B"], square(4096))]
+    return bench_attention.cases(device, quick)
 
 
 def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device, dtype: torch.dtype) -> None:
@@ -85,14 +96,15 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
 
     flops = TRAINING_WORK * harness.attention_flops(case.dims.num_heads, case.dims.head_dim, x.seqlens)
     calls = {name: [bind(s) for s in sets] for name, bind in impls.items()}
-    harness.check_then_time(report, case.name, flops, calls, check, rep_ms=200)
+    records = harness.check_then_time(report, case.name, flops, calls, check, rep_ms=200)
+    bench_attention.note_best_peer(records, peers)
 
 
 def benchmark(config: RunConfig) -> Report:
     report = Report("attention_backward", config.device, config.dtype, "flops", BASELINES)
-    peers, report.skipped = available_peers(config.device, config.dtype)
+    peers, report.skipped = available_peers(config.device, config.dtype, config.skip)
     report.notes.append(f"useful work: {TRAINING_WORK}x the forward's 4*H*D*sum(S^2) (backward = 2.5x forward)")
-    return bench_attention.run_cases(report, peers, config, run_case)
+    return bench_attention.run_cases(report, peers, config, run_case, cases(config.device, config.quick))
 
 
 def main(argv: Sequence[str] | None = None) -> Report:

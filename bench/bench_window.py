@@ -37,7 +37,7 @@ import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -242,7 +242,9 @@ PEERS: dict[str, Callable[[Device], Bind]] = {
     "varlen_attn": bench_attention.varlen_attn,
     "flash_attn": bench_attention.flash_attn_varlen,
     "flex_attention": bench_attention.flex_attention,  # its document mask is the segments' mask
-    "sdpa/window": bench_attention.sdpa_per_image,  # one SDPA call per segment, lengths read back per call
+    # one SDPA call per segment, lengths read back per call: cuDNN's backend by name on CUDA, torch's choice on a CPU
+    "sdpa/window/cudnn": partial(bench_attention.sdpa_per_image, backend="CUDNN_ATTENTION"),
+    "sdpa/window": bench_attention.sdpa_per_image,
     "sdpa/batched": sdpa_batched,
 }
 BASELINES = ("varlen_attn", "sdpa/window")  # sdpa/window stands in where varlen_attn cannot run (CPU)
@@ -285,7 +287,7 @@ def benchmark(config: RunConfig) -> Report:
     device, dtype = config.device, config.dtype
     report = Report("window", device, dtype, "flops", BASELINES)
     trial = make_inputs(Case(CPU_LAYOUTS[1], True), device, dtype)[0]
-    peers, report.skipped = harness.device_peers(PEERS, device, trial)
+    peers, report.skipped = harness.device_peers(PEERS, device, trial, config.skip)
     if "flash_attn" in peers:
         report.meta["flash_attn"] = importlib.metadata.version("flash_attn")
     report.notes.append(

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# The one prepared call for a lent GPU machine: bash bench/device_check.sh [--full]   (default: --quick)
+# The one prepared call for a lent GPU machine: bash bench/device_check.sh [--attention | --full]   (default: quick)
+#
+# --attention (under ~5 minutes): the attention phases alone: device, tile sweep, the attention CUDA tests (guard
+# bands on the device included), memcheck, and the attention forward and forward + backward benchmarks (flex_attention
+# left out: it compiles for every shape). The default runs every phase with the benchmarks' quick cases.
 #
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
 # Phases, each under its own timeout so that one hang cannot spend the lease (at most 7.5 minutes in all, so that a
@@ -23,7 +27,9 @@ shim="$(mktemp -d)"
 mkdir -p "$shim/qvl" && ln -s "$PWD/kernels" "$shim/qvl/kernels" && ln -s "$PWD/vit" "$shim/qvl/vit"
 export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 quick=--quick
-[ "${1:-}" = "--full" ] && quick=
+mode="${1:-}"
+[ "$mode" = "--full" ] && quick=
+case "$mode" in ""|--full|--attention) ;; *) echo "usage: bash bench/device_check.sh [--attention | --full]" >&2; exit 2 ;; esac
 started=$SECONDS
 ship() {
   [ -n "${OUT:-}" ] || return 0
@@ -49,8 +55,11 @@ timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&
 cp kernels/attention_tiles.json "$out/attention_tiles.json"
 
 phase "CUDA tests"
-timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py \
-  -k "(gpu or cuda or bf16 or int64 or peak) and not cuda_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
+[ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
+# shellcheck disable=SC2086
+timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
+  -k "(gpu or cuda or bf16 or int64 or peak or guard_bands) and not cuda_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
 phase memcheck
 if command -v compute-sanitizer >/dev/null; then
@@ -59,20 +68,28 @@ import torch
 import qvl.kernels  # noqa: F401
 torch.manual_seed(0)
 lengths = [1, 100, 64, 0, 300]
-qkv = torch.randn(sum(lengths), 3, 4, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-q, k, v = qkv.unbind(1)
 cu = torch.tensor([0, 1, 101, 165, 165, 465], dtype=torch.int32, device="cuda")
 positions = torch.randint(0, 20, (sum(lengths), 2), dtype=torch.int32, device="cuda")
-out = torch.ops.qvl.vision_attn(q, k, v, cu, 300, positions=positions)
-out.float().square().sum().backward()
+for head_dim in (72, 80, 64):
+    for hint in (300, 64):
+        qkv = torch.randn(sum(lengths), 3, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = qkv.unbind(1)
+        for pos in (positions, None):
+            out = torch.ops.qvl.vision_attn(q, k, v, cu, hint, positions=pos)
+            out.float().square().sum().backward()
 torch.cuda.synchronize()
-print("memcheck case ran: vision_attn forward + backward with rope, bf16, D 72")
+print("memcheck cases ran: vision_attn forward + backward with and without rope, bf16, D 72/80/64, both tile hints")
 EOF
 else
   echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
 fi
 
 phase benchmarks
-timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \
-  --only attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
+if [ "$mode" = "--attention" ]; then
+  timeout 150 python3 -m bench --quick --dtype bf16 --json-dir "$out" --only attention,attention_backward \
+    --skip flex_attention 2>&1 | tee "$out/bench.log" | tail -60
+else
+  timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \
+    --only attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
+fi
 phase done

@@ -295,11 +295,16 @@ def peers(
 
 
 def device_peers(
-    builders: Mapping[str, Callable[[Device], Callable[[T], Callable[[], object]]]], device: Device, trial_inputs: T
+    builders: Mapping[str, Callable[[Device], Callable[[T], Callable[[], object]]]],
+    device: Device,
+    trial_inputs: T,
+    skip: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Callable[[T], Callable[[], object]]], dict[str, str]]:
     """:func:`peers` for a benchmark module's ``PEERS``: each built for ``device`` and run once on
-    ``trial_inputs``."""
-    return peers({name: partial(build, device) for name, build in builders.items()}, lambda bind: bind(trial_inputs)())
+    ``trial_inputs``; those named in ``skip`` are left out, with that reason."""
+    kept = {name: partial(build, device) for name, build in builders.items() if name not in skip}
+    found, skipped = peers(kept, lambda bind: bind(trial_inputs)())
+    return found, {**skipped, **{name: "left out (--skip)" for name in builders if name in skip}}
 
 
 def reason(exc: Exception) -> str:
@@ -526,6 +531,8 @@ class RunConfig:
     dtype: torch.dtype
     quick: bool
     json_path: Path | None
+    # implementations to leave out (reported as skipped), e.g. a peer whose compiles would spend a short GPU lease
+    skip: frozenset[str] = frozenset()
 
 
 def parse_args(description: str | None, argv: Sequence[str] | None = None) -> RunConfig:
@@ -534,9 +541,11 @@ def parse_args(description: str | None, argv: Sequence[str] | None = None) -> Ru
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases (always on for CPU runs)")
     parser.add_argument("--json", type=Path, help="results file (default: bench/results/<bench>-<device>-<date>.json)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--skip", default="", help="comma-separated peers to leave out (e.g. flex_attention)")
     args = parser.parse_args(argv)
     device = get_device(args.device)
-    return RunConfig(device, DTYPES[args.dtype], args.quick or not device.is_cuda, args.json)
+    skip = frozenset(name for name in args.skip.split(",") if name)
+    return RunConfig(device, DTYPES[args.dtype], args.quick or not device.is_cuda, args.json, skip)
 
 
 @contextlib.contextmanager

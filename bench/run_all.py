@@ -1,6 +1,7 @@
 """Every qvl benchmark in one command, one module after another, with shared options:
 
     python -m bench [--quick] [--dtype bf16] [--json-dir bench/results] [--only pos_embed,tower] [--device auto]
+                    [--skip flex_attention]
 
 (``python -m bench.run_all`` is the same.) Each module writes its JSON to ``--json-dir`` as
 ``<bench>-<device>-<date>.json`` and prints its summary as it finishes; all summaries are printed
@@ -52,6 +53,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json-dir", type=Path, default=harness.RESULTS_DIR, help="where the JSON files go")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--only", help=f"comma-separated subset of: {','.join(MODULES)}")
+    parser.add_argument("--skip", default="", help="comma-separated peers every module leaves out")
     args = parser.parse_args(argv)
     args.names = list(MODULES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in args.names if n not in MODULES]
@@ -69,6 +71,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str,
         ["--device", args.device]
         + (["--dtype", args.dtype] if args.dtype else [])
         + (["--quick"] if args.quick else [])
+        + (["--skip", args.skip] if args.skip else [])
     )
     reports: dict[str, Report] = {}
     failures: dict[str, str] = {}

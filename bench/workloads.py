@@ -31,6 +31,8 @@ MODELS = {
 # Eight images of the sizes a chat request mixes (a thumbnail to a 1024x1024 photo at patch 16),
 # 16016 patches in all: the packed varlen case the tower meets in serving.
 MIXED_8: tuple[Grid, ...] = ((16, 16), (24, 40), (32, 32), (32, 48), (44, 44), (40, 64), (48, 76), (64, 64))
+# A video of 16 frames of 512 x 512 pixels (32 x 32 patches at patch 16): each frame attends within itself.
+VIDEO_16: tuple[Grid, ...] = ((32, 32),) * 16
 # The same spread at CPU-test scale.
 MIXED_TINY: tuple[Grid, ...] = ((4, 4), (4, 8), (8, 8), (8, 12))
 

@@ -15,22 +15,24 @@ import torch
 from test_attention import assert_close_to_float64, cu_seqlens_of
 from test_attention_backward import assert_gradients_close_to_float64
 
+from conftest import ON_GPU
 from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
-from qvl.kernels.attention import vision_attn_backward_launches, vision_attn_launches
+from qvl.kernels.attention import tma_capable, vision_attn_backward_launches, vision_attn_launches
 from qvl.kernels.common import device_target, run_launches
 
 LENGTHS = [1, 100, 64, 0, 33]
 
 
-def guarded_inputs(head_dim, dtype, layout, with_positions, seed):
+def guarded_inputs(head_dim, dtype, layout, with_positions, seed, device):
     """q, k, v and the output's gradient as guarded views, each with a row stride of its own; positions or None."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(LENGTHS)
     pads = layout_pads(layout, dtype)
-    q, k, v, grad_out = (
-        guarded(x.to(dtype), pad=next(pads)) for x in torch.randn(4, num_tokens, 2, head_dim, generator=gen)
-    )
-    positions = torch.randint(0, 30, (num_tokens, 2), generator=gen, dtype=torch.int32) if with_positions else None
+    values = torch.randn(4, num_tokens, 2, head_dim, generator=gen).to(device, dtype)
+    q, k, v, grad_out = (guarded(x, pad=next(pads)) for x in values)
+    positions = None
+    if with_positions:
+        positions = torch.randint(0, 30, (num_tokens, 2), generator=gen, dtype=torch.int32).to(device)
     return (q, k, v, grad_out, positions), pads
 
 
@@ -38,23 +40,25 @@ def guarded_inputs(head_dim, dtype, layout, with_positions, seed):
 @pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("head_dim", [72, 80, 24])
-def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_positions, descriptors):
-    dtype = torch.float16
-    (q, k, v, grad_out, positions), pads = guarded_inputs(head_dim, dtype, layout, with_positions, seed=head_dim)
-    cu = cu_seqlens_of(LENGTHS)
+def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_positions, descriptors, device):
+    """fp16 in the interpreter, which multiplies bf16 dots wrongly; bf16 on a GPU, the towers' dtype."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    (q, k, v, grad_out, positions), pads = guarded_inputs(head_dim, dtype, layout, with_positions, head_dim, device)
+    cu = cu_seqlens_of(LENGTHS, device)
     target = device_target(q.device)
-    out = guarded_empty(q.shape, dtype, pad=next(pads))
-    lse = guarded_empty((q.shape[1] * q.shape[0],), torch.float32, pad=next(pads))
+    out = guarded_empty(q.shape, dtype, device, pad=next(pads))
+    lse = guarded_empty((q.shape[1] * q.shape[0],), torch.float32, device, pad=next(pads))
     launches = vision_attn_launches(
         q, k, v, out, cu, None, positions, 10000.0, target, max(LENGTHS), lse, tiles={"DESCRIPTORS": descriptors}
     )
-    # TMA needs every K and V row on a 16-byte boundary: the unaligned layout takes pointers whatever is asked.
-    assert launches[-1].kwargs["DESCRIPTORS"] == (descriptors and layout == "aligned")
+    # TMA needs every K and V row on a 16-byte boundary (the unaligned layout takes pointers whatever is asked) and a
+    # target that has it.
+    assert launches[-1].kwargs["DESCRIPTORS"] == (descriptors and layout == "aligned" and tma_capable(target))
     run_launches(launches, q.device)
     assert_clean(q, k, v, out, lse)
     assert_close_to_float64(out.contiguous(), q, k, v, cu, positions=positions, max_seqlen=max(LENGTHS))
 
-    dq, dk, dv = (guarded_empty(q.shape, dtype, pad=next(pads)) for _ in range(3))
+    dq, dk, dv = (guarded_empty(q.shape, dtype, device, pad=next(pads)) for _ in range(3))
     backward = vision_attn_backward_launches(
         grad_out, q, k, v, out, lse, dq, dk, dv, cu, None, positions, 10000.0, target, max(LENGTHS)
     )
