@@ -59,12 +59,13 @@ class _Repo:
 
         try:
             return Path(self._fetch(filename))
-        except EntryNotFoundError:
-            if required:
-                raise CheckpointError(f"{self.repo_id}: the Hub repository has no {filename}") from None
+        # Not in the cache (offline, or the Hub unreachable); a subclass of EntryNotFoundError, so caught first.
         except LocalEntryNotFoundError:
             if required:
                 raise self._not_cached(filename) from None
+        except EntryNotFoundError:
+            if required:
+                raise CheckpointError(f"{self.repo_id}: the Hub repository has no {filename}") from None
         except Exception as error:  # noqa: BLE001 - huggingface_hub's HTTP, auth and OS errors alike
             raise self._failure(filename, error) from None
         return None
@@ -143,6 +144,4 @@ def resolve_model(name: str, log: Callable[[str], None]) -> Path:
         validate_repo_id(name)
     except HFValidationError:
         raise CheckpointError(f"{name}: no such directory (nor a Hugging Face Hub model id)") from None
-    if name.startswith((".", "/", "~")):
-        raise CheckpointError(f"{name}: no such directory")
     return _fetch_tower(name, log)
