@@ -244,8 +244,9 @@ def test_video_file_equals_its_sampled_frames_as_a_folder(suffix, frames, fps, o
         Image.fromarray(decoded[index]).save(folder / f"{index}.png")
 
     from_file, from_folder = tmp_path / "file.safetensors", tmp_path / "folder.safetensors"
-    assert encode(video, "-o", from_file, "--min-pixels", 1024, *options) == 0
-    assert encode("--video", folder, "-o", from_folder, "--min-pixels", 1024) == 0
+    # A low video min_pixels keeps the 64x64 frames at their size.
+    assert encode(video, "-o", from_file, "--video-min-pixels", 1024, *options) == 0
+    assert encode("--video", folder, "-o", from_folder, "--video-min-pixels", 1024) == 0
     tensors, metadata = read_output(from_file)
     expected, expected_metadata = read_output(from_folder)
     assert sorted(tensors) == sorted(expected)
@@ -269,7 +270,8 @@ def test_video_files_mix_with_images_and_folders_in_order(images, tmp_path):
     for number in range(2):
         random_picture(64, 64, number).save(folder / f"{number}.png")
     output = tmp_path / "out.safetensors"
-    argv = [images[0], clip, images[2], "--video", renamed, "--video", folder, "-o", output, "--min-pixels", 1024]
+    argv = [images[0], clip, images[2], "--video", renamed, "--video", folder, "-o", output]
+    argv += ["--min-pixels", 1024, "--video-min-pixels", 1024]
     assert encode(*argv, "--batch-size", 2) == 0
     tensors, metadata = read_output(output)
     assert json.loads(metadata["sources"]) == [str(path) for path in (images[0], clip, images[2], renamed, folder)]
