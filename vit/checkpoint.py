@@ -2,7 +2,9 @@
 
 A directory holds ``config.json`` (a full model's config with ``vision_config``, Qwen3-Omni's with
 ``thinker_config``, or a bare vision config) and safetensors weights: ``model.safetensors``, or shards listed in
-``model.safetensors.index.json``. Tensor names are transformers': ``model.visual.*`` (current
+``model.safetensors.index.json``, of which only those holding vision tensors are read (and need be present: a
+Hub download fetches no others, :mod:`qvl.vit.hub`). Its processor configs (:func:`read_processor_configs`) say how
+inputs are prepared. Tensor names are transformers': ``model.visual.*`` (current
 layout), ``visual.*`` (older full-model layout) or bare vision names. Only safetensors are read: a
 pickled checkpoint is never loaded.
 """
@@ -16,11 +18,27 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["CheckpointError", "load_vision_checkpoint", "read_config", "save_vision_checkpoint"]
+__all__ = [
+    "PROCESSOR_CONFIG_FILES",
+    "SAFETENSORS_INDEX",
+    "CheckpointError",
+    "load_vision_checkpoint",
+    "read_config",
+    "read_processor_configs",
+    "read_weight_map",
+    "save_vision_checkpoint",
+    "vision_shards",
+]
 
 # Where the tower's tensors live: Qwen3-VL's and Qwen3.5's full models, Qwen3-Omni's thinker, a bare tower.
 _PREFIXES = ("model.visual.", "thinker.visual.", "visual.", "")
-_INDEX = "model.safetensors.index.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# transformers' processor configs: the nested one (v5), the video processor's, and the image processor's (which
+# the video processor falls back to).
+_PROCESSOR = "processor_config.json"
+_VIDEO_PROCESSOR = "video_preprocessor_config.json"
+_IMAGE_PROCESSOR = "preprocessor_config.json"
+PROCESSOR_CONFIG_FILES = (_PROCESSOR, _IMAGE_PROCESSOR, _VIDEO_PROCESSOR)
 
 
 class CheckpointError(ValueError):
@@ -37,13 +55,27 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable ({error})") from None
 
 
+def vision_shards(weight_map: dict[str, str]) -> list[str]:
+    """The shards of a ``model.safetensors.index.json`` weight map that hold vision tower tensors, in index order."""
+    prefix = _vision_prefix(list(weight_map))
+    return list(dict.fromkeys(file for name, file in weight_map.items() if _is_vision_weight(name, prefix)))
+
+
+def read_weight_map(directory: Path) -> dict[str, str] | None:
+    """The weight map of ``directory``'s safetensors index, or None without an index."""
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no weight_map")
+    return weight_map
+
+
 def _weight_files(directory: Path) -> list[Path]:
-    index = directory / _INDEX
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: no weight_map")
-        return [directory / name for name in dict.fromkeys(weight_map.values())]
+    weight_map = read_weight_map(directory)
+    if weight_map is not None:
+        return [directory / name for name in vision_shards(weight_map)]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors weights (pickled checkpoints are not loaded)")
@@ -64,6 +96,11 @@ def _is_text_weight(name: str) -> bool:
     return name.startswith(("model.", "lm_head."))
 
 
+def _is_vision_weight(name: str, prefix: str) -> bool:
+    """Whether tensor ``name`` belongs to the tower, whose tensors carry ``prefix`` (:func:`_vision_prefix`)."""
+    return name.startswith(prefix) and (bool(prefix) or not _is_text_weight(name))
+
+
 def _vision_prefix(names: list[str]) -> str:
     for prefix in _PREFIXES:
         if any(name.startswith(prefix + "patch_embed.") for name in names):
@@ -77,6 +114,22 @@ def read_config(path: str | os.PathLike) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
     return _read_json(directory / "config.json")
+
+
+def read_processor_configs(path: str | os.PathLike) -> tuple[dict | None, dict | None]:
+    """A checkpoint directory's ``(image processor config, video processor config)`` as transformers finds them:
+    each from ``processor_config.json``'s nested ``image_processor`` / ``video_processor`` where present, else the
+    image one from ``preprocessor_config.json`` and the video one from ``video_preprocessor_config.json``, falling
+    back to ``preprocessor_config.json``; None where the directory has none."""
+    directory = Path(path)
+
+    def read(name: str) -> dict | None:
+        return _read_json(directory / name) if (directory / name).is_file() else None
+
+    nested = read(_PROCESSOR) or {}
+    image = nested.get("image_processor") or read(_IMAGE_PROCESSOR)
+    video = nested.get("video_processor") or read(_VIDEO_PROCESSOR) or read(_IMAGE_PROCESSOR)
+    return image, video
 
 
 def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -93,7 +146,7 @@ def load_vision_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, tor
     prefix = _vision_prefix([name for names in names_by_file.values() for name in names])
     state_dict: dict[str, torch.Tensor] = {}
     for file, names in names_by_file.items():
-        wanted = [name for name in names if name.startswith(prefix) and (prefix or not _is_text_weight(name))]
+        wanted = [name for name in names if _is_vision_weight(name, prefix)]
         if not wanted:
             continue
         try:

@@ -4,16 +4,17 @@
 with PyAV) and videos given as folders of frame images, and writes the features to one safetensors file
 (layout in ``ENCODE_EPILOG``).
 
-Inputs are prepared by transformers' Qwen2-VL PIL image processor with the model family's settings (Qwen3-VL's,
-or Qwen2-VL's for Qwen2-VL and Qwen2.5-VL checkpoints: the family's :class:`~qvl.vit.processing.Processing`), so
-the patches are exactly what that family's pipeline feeds the tower; the family and the tower class come from the
-checkpoint's config.json (:mod:`qvl.vit.families`, :func:`qvl.vit.towers.tower_class_of`). The processor is built
-locally from the tower's config (no hub access), which is why it is the PIL one: the fast one needs torchvision,
-and so does transformers' video processor. Videos therefore go through the image processor frame by frame, and
-this module pairs the frames into ``temporal_patch_size`` slots itself (:func:`_video_patches`). Video
-files are decoded with PyAV, as transformers' ``read_video_pyav`` does, and sampled as Qwen3-VL's video
-processor samples (:func:`sample_frame_indices`, or :func:`sample_frame_indices_qwen2` for the Qwen2 family);
-their sampled frames then take the frame folders' path.
+Inputs are prepared as the checkpoint's own processors prepare them: every parameter (pixel bounds, patch and
+merge sizes, mean and std, video sampling) comes from its processor configs (``preprocessor_config.json``,
+``video_preprocessor_config.json``), over the model family's transformers defaults
+(:meth:`~qvl.vit.processing.Processing.for_checkpoint`); the family and the tower class come from the checkpoint's
+config.json (:mod:`qvl.vit.families`, :func:`qvl.vit.towers.tower_class_of`). Images go through transformers' Qwen2-VL
+PIL image processor (the fast one needs torchvision); videos through :meth:`~qvl.vit.processing.Processing.
+video_pixel_values`, which is the family's transformers video processor in plain torch (that one needs torchvision
+too). Video files are decoded with PyAV, as transformers' ``read_video_pyav`` does, and sampled as the family's video
+processor samples (:func:`sample_frame_indices`, or :func:`sample_frame_indices_qwen2` for the Qwen2 family); their
+sampled frames then take the frame folders' path. ``--model`` also takes a Hugging Face Hub model id
+(:func:`qvl.vit.hub.resolve_model`).
 
 Every input is opened and decoded before the model is loaded, and the output is written to a temporary
 file beside the target and renamed over it at the end, so a bad input or a failed run fails early with
@@ -29,28 +30,21 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from qvl.kernels import backend_for
 
-from .checkpoint import CheckpointError, read_config
+from .checkpoint import CheckpointError, read_config, read_processor_configs
 from .config import VisionConfig
 from .families import DEFAULT_FAMILY, Family, family_of_config
+from .hub import resolve_model
 from .model import VisionTransformer
-from .processing import (
-    QWEN2_VL_MIN_PIXELS,
-    QWEN3_VL_MAX_FRAMES,
-    QWEN3_VL_MAX_PIXELS,
-    QWEN3_VL_MIN_FRAMES,
-    QWEN3_VL_MIN_PIXELS,
-    QWEN3_VL_PROCESSING,
-    QWEN3_VL_VIDEO_FPS,
-    Processing,
-    sample_frame_indices,
-)
+from .processing import QWEN3_VL_MAX_FRAMES, QWEN3_VL_VIDEO_FPS, Processing, sample_frame_indices
 from .towers import tower_class_of
 
 __all__ = ["EMBEDDED_CONFIG", "build_parser", "main", "sample_frame_indices"]
@@ -58,9 +52,9 @@ __all__ = ["EMBEDDED_CONFIG", "build_parser", "main", "sample_frame_indices"]
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
 
-# 4096^2 pixels (Qwen3-VL's own cap) are 65536 patches per image, minutes of CPU time each, so the CLI defaults to a
-# smaller cap.
-DEFAULT_MAX_PIXELS = 512 * 512
+# The embedded demo tower's cap on a resized image: 4096^2 pixels (Qwen3-VL's own) are 65536 patches per image,
+# minutes of CPU time each for a tower whose features mean nothing. A checkpoint's images take its own cap.
+EMBEDDED_MAX_PIXELS = 512 * 512
 # Qwen's processors refuse images more elongated than this (smart_resize); checked up front instead.
 MAX_ASPECT_RATIO = 200
 
@@ -88,22 +82,30 @@ metadata (safetensors string metadata; lists are JSON):
   model      checkpoint dir or "embedded-random"   dtype, backend, deepstack_visual_indexes
 read back with safetensors.safe_open(path, "pt"): .get_tensor("image.0.merged"), .metadata()
 
-preparation is the model family's (the tower kind is read from --model's config.json): transformers' Qwen2-VL
-image processor, patch/temporal/merge sizes from the model, bicubic resize to multiples of patch*merge within
-[--min-pixels, --max-pixels]. Qwen3-VL (Qwen3.5, Qwen3-Omni): mean = std = 0.5, smallest image {QWEN3_VL_MIN_PIXELS}
-(256^2) pixels, its own cap {QWEN3_VL_MAX_PIXELS} (4096^2); Qwen2-VL and Qwen2.5-VL: OpenAI CLIP's mean and std,
-smallest image {QWEN2_VL_MIN_PIXELS} (56^2). The default cap here, {DEFAULT_MAX_PIXELS} (512^2), keeps CPU runs
-practical. Video frames are sized like images and must all be the same size; an odd frame count is padded by
-repeating the last frame, as Qwen's processors do.
+preparation is the checkpoint's: every parameter (min/max pixels, patch, temporal patch and merge size,
+mean/std, video fps and min/max frames) comes from --model's processor configs (processor_config.json,
+preprocessor_config.json, video_preprocessor_config.json, read as transformers reads them), else from the family's
+transformers defaults; the tower kind is read from its config.json. Images: transformers' Qwen2-VL image
+processor, bicubic resize to multiples of patch*merge within the image bounds (--min-pixels, --max-pixels
+override them). Videos: the family's video processor, within the video bounds (--video-min-pixels,
+--video-max-pixels override them; Qwen3-VL counts frames x frame area, Qwen2-VL and Qwen2.5-VL each frame);
+frames must all be the same size; an odd frame count is padded by repeating the last frame. Family defaults:
+Qwen3-VL (Qwen3.5, Qwen3-Omni): mean = std = 0.5, images 256^2 to 4096^2 pixels; Qwen2-VL and Qwen2.5-VL: OpenAI
+CLIP's mean and std, images 56^2 to 1280 * 28^2 pixels.
 
 video files (.mp4 .webm .mkv .mov .avi .m4v as positional inputs; any file with --video) are decoded
 with PyAV (pip install av) to RGB and sampled as the family's video processor samples: n = frames / video_fps
-* --fps, clamped to [{QWEN3_VL_MIN_FRAMES}, --max-frames] and to the frame count; Qwen3-VL: int(n) frames at
+* --fps, clamped to [min_frames, --max-frames] and to the frame count; Qwen3-VL: int(n) frames at
 round(linspace(0, frames - 1, n)); Qwen2-VL / Qwen2.5-VL: n rounded down to whole temporal patches, frames at
 arange(0, frames, frames / n) truncated. Frame folders are used whole (they have no frame rate).
 
+--model takes a checkpoint directory or a Hugging Face Hub model id (Qwen/Qwen3-VL-8B-Instruct): only config.json,
+the processor configs and the safetensors shards holding the vision tower are downloaded, into the Hugging Face
+cache (HF_HOME, HF_HUB_CACHE); with HF_HUB_OFFLINE=1 only that cache is read.
+
 without --model the embedded default runs: a small Qwen3-VL-shaped tower with random weights (seed 0),
-for trying the pipeline on a machine with no checkpoint; its features carry no meaning.
+for trying the pipeline on a machine with no checkpoint; its features carry no meaning, and its images are
+capped at {EMBEDDED_MAX_PIXELS} (512^2) pixels to keep CPU runs short.
 
 exit status: 0 success, 2 bad arguments or an input/checkpoint that cannot be used (one line naming the
 file on stderr, no output written), 1 failure while encoding (e.g. out of memory).
@@ -147,10 +149,14 @@ def _open_rgb(path: Path):
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
-            image.load()
-            # Photos store their rotation in EXIF; transformers' load_image applies it, so do the same.
-            return ImageOps.exif_transpose(image).convert("RGB")
+        # Images past PIL's decompression-bomb threshold (89M pixels) but under its hard limit decode fine; PIL's
+        # warning about them would print a site-packages path before a run that succeeds.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()
+                # Photos store their rotation in EXIF; transformers' load_image applies it, so do the same.
+                return ImageOps.exif_transpose(image).convert("RGB")
     except FileNotFoundError:
         raise CliError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -200,15 +206,13 @@ def _av_failure(path: Path, error: Exception) -> CliError:
 
 
 def _video_frames(path: Path, keep=None) -> tuple[int, float | None, list]:
-    """Decode the first video stream of ``path``: ``(frame count, stream frame rate, RGB PIL frames)``,
-    keeping the frames whose numbers are in ``keep`` (none when ``keep`` is None).
+    """Decode the first video stream of ``path``: ``(frame count, stream frame rate, RGB frames as (H, W, 3) uint8
+    arrays)``, keeping the frames whose numbers are in ``keep`` (none when ``keep`` is None).
 
     Without ``keep`` every frame is still decoded, to prove the file usable and count its frames (the
     container's stated count is often missing, e.g. in WebM and Matroska). Frames are converted as
     transformers' ``read_video_pyav`` converts them (``to_ndarray(format="rgb24")``).
     """
-    from PIL import Image
-
     av = _import_av(path)
     frames, count, size = [], 0, None
     try:
@@ -228,7 +232,7 @@ def _video_frames(path: Path, keep=None) -> tuple[int, float | None, list]:
                         " (all frames of a video must have one size)"
                     )
                 if keep is not None and count in keep:
-                    frames.append(Image.fromarray(frame.to_ndarray(format="rgb24")))
+                    frames.append(frame.to_ndarray(format="rgb24"))
                 count += 1
     except CliError:
         raise
@@ -305,55 +309,25 @@ def _collect_inputs(
     return inputs
 
 
-def _video_patches(frame_patches: torch.Tensor, num_frames: int, config) -> tuple[torch.Tensor, int]:
-    """Turn the image processor's per-frame patches into one video's patches; returns ``(rows, t)``.
-
-    The image processor emits rows ``(C, temporal_patch_size, p, p)`` with the frame repeated over
-    the temporal slots, in merge-block order per frame. A video row holds consecutive frames in those
-    slots instead, and the video's rows run over ``[t][merge-block order]``, which is what
-    transformers' Qwen3-VL video processor produces from the same frames.
-    """
-    slots, channels, area = config.temporal_patch_size, config.in_channels, config.patch_size**2
-    per_frame = frame_patches.view(num_frames, -1, channels, slots, area)[:, :, :, 0]
-    if pad := -num_frames % slots:
-        per_frame = torch.cat([per_frame, per_frame[-1:].expand(pad, -1, -1, -1)])
-    grid_t = per_frame.shape[0] // slots
-    rows = per_frame.view(grid_t, slots, -1, channels, area).permute(0, 2, 3, 1, 4)
-    return rows.reshape(-1, channels * slots * area), grid_t
-
-
 class _Preparer:
-    """Images and videos -> ``(pixel_values rows, [t, h, w])`` as a family's processors make them."""
+    """Images and videos -> ``(pixel_values rows, [t, h, w])`` as the checkpoint's processors make them."""
 
-    def __init__(self, config, min_pixels: int, max_pixels: int, processing: Processing = QWEN3_VL_PROCESSING):
-        from transformers import Qwen2VLImageProcessorPil
-
-        self.config = config
-        self.processor = Qwen2VLImageProcessorPil(
-            patch_size=config.patch_size,
-            temporal_patch_size=config.temporal_patch_size,
-            merge_size=config.spatial_merge_size,
-            image_mean=list(processing.image_mean),
-            image_std=list(processing.image_std),
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-        )
+    def __init__(self, processing: Processing):
+        self.processing = processing
+        self.image_processor = processing.image_processor()
 
     def __call__(self, item: _Input) -> tuple[torch.Tensor, list[int]]:
+        if item.kind == "image":
+            batch = self.image_processor(images=[_open_rgb(item.frames[0])], return_tensors="pt")
+            return batch["pixel_values"], batch["image_grid_thw"][0].tolist()
         if item.sampling is None:
-            frames = [_open_rgb(path) for path in item.frames]
+            frames = [np.asarray(_open_rgb(path)) for path in item.frames]
         else:
             indices = item.sampling["indices"]
             frames = _video_frames(Path(item.source), keep=set(indices))[2]
             if len(frames) != len(indices):  # the file changed since it was checked
                 raise CliError(f"{item.source}: has fewer frames than when first decoded")
-        batch = self.processor(images=frames, return_tensors="pt")
-        pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
-        _, grid_h, grid_w = grid[0].tolist()
-        if item.kind == "image":
-            return pixels, [1, grid_h, grid_w]
-        rows, grid_t = _video_patches(pixels, len(frames), self.config)
-        return rows, [grid_t, grid_h, grid_w]
+        return self.processing.video_pixel_values(torch.from_numpy(np.stack(frames)))
 
 
 class _Progress:
@@ -431,22 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument(
         "--fps",
         type=_positive_float,
-        default=QWEN3_VL_VIDEO_FPS,
         metavar="F",
-        help="frames sampled per second of a video file (default: %(default)s, the Qwen processors')",
+        help="frames sampled per second of a video file (default: the checkpoint's video processor's; "
+        f"transformers' default {QWEN3_VL_VIDEO_FPS:g})",
     )
     encode.add_argument(
         "--max-frames",
         type=_positive_int,
-        default=QWEN3_VL_MAX_FRAMES,
         metavar="N",
-        help="most frames sampled from a video file (default: %(default)s, Qwen3-VL's; "
-        f"at least {QWEN3_VL_MIN_FRAMES} are sampled where the video has them, unless N is smaller)",
+        help="most frames sampled from a video file (default: the checkpoint's video processor's; transformers' "
+        f"default {QWEN3_VL_MAX_FRAMES}; at least its min_frames are sampled where the video has them, unless N "
+        "is smaller)",
     )
     encode.add_argument(
         "--model",
-        metavar="DIR",
-        help="local checkpoint directory (config.json + safetensors); default: the embedded random-weight tower",
+        metavar="DIR_OR_HUB_ID",
+        help="checkpoint directory (config.json + safetensors), or a Hugging Face Hub model id such as "
+        "Qwen/Qwen3-VL-8B-Instruct (only the vision tower's files are downloaded, into the Hugging Face cache; "
+        "HF_HUB_OFFLINE=1 reads only the cache); default: the embedded random-weight tower",
     )
     encode.add_argument(
         "--output", "-o", default="features.safetensors", metavar="PATH", help="output file (default: %(default)s)"
@@ -463,15 +439,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-pixels",
         type=_positive_int,
         metavar="N",
-        help=f"smallest resized image, in pixels (default: the model family's: Qwen3-VL {QWEN3_VL_MIN_PIXELS}, "
-        f"Qwen2-VL and Qwen2.5-VL {QWEN2_VL_MIN_PIXELS})",
+        help="smallest resized image, in pixels (default: the checkpoint's image processor's)",
     )
     encode.add_argument(
         "--max-pixels",
         type=_positive_int,
-        default=DEFAULT_MAX_PIXELS,
         metavar="N",
-        help=f"largest resized image, in pixels (default: %(default)s; Qwen3-VL: {QWEN3_VL_MAX_PIXELS})",
+        help="largest resized image, in pixels (default: the checkpoint's image processor's, e.g. Qwen3-VL's "
+        f"16777216; the embedded tower's {EMBEDDED_MAX_PIXELS})",
+    )
+    encode.add_argument(
+        "--video-min-pixels",
+        type=_positive_int,
+        metavar="N",
+        help="smallest resized video as its video processor counts it (Qwen3-VL: frames x frame area; Qwen2-VL, "
+        "Qwen2.5-VL: each frame); default: the checkpoint's video processor's",
+    )
+    encode.add_argument(
+        "--video-max-pixels",
+        type=_positive_int,
+        metavar="N",
+        help="largest resized video, counted as --video-min-pixels is (default: the checkpoint's video processor's)",
     )
     encode.add_argument(
         "--parallel",
@@ -487,8 +475,12 @@ def _check_encode_args(args: argparse.Namespace) -> None:
     """Checks argparse cannot express; they exit through the subcommand's usage like its own errors."""
     if not args.images and not args.video:
         args.subparser.error("no inputs (give image or video files and/or --video PATH)")
-    if args.min_pixels is not None and args.min_pixels > args.max_pixels:
-        args.subparser.error(f"--min-pixels {args.min_pixels} is larger than --max-pixels {args.max_pixels}")
+    for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+        low_value, high_value = getattr(args, low), getattr(args, high)
+        if low_value is not None and high_value is not None and low_value > high_value:
+            args.subparser.error(
+                f"--{low.replace('_', '-')} {low_value} is larger than --{high.replace('_', '-')} {high_value}"
+            )
 
 
 def _resolve_device(name: str | None) -> torch.device:
@@ -510,41 +502,72 @@ def _check_output(path: Path) -> None:
         raise CliError(f"{path.parent}: no such directory (for --output {path})")
 
 
-def _model_kind(model: str | None) -> tuple[type, object, Family]:
-    """The tower class, config and family of ``--model`` (from its config.json alone, so that inputs are checked
-    and sampled before any weight is read), or of the embedded default."""
+def _model_kind(model: str | None) -> tuple[type, object, Family, Processing]:
+    """The tower class, config, family and input preparation of ``--model`` (from its config.json and processor
+    configs alone, so that inputs are checked and sampled before any weight is read), or of the embedded default
+    (the family's defaults, images capped at :data:`EMBEDDED_MAX_PIXELS`)."""
     if model is None:
-        return VisionTransformer, EMBEDDED_CONFIG, DEFAULT_FAMILY
+        processing = DEFAULT_FAMILY.processing.for_checkpoint(EMBEDDED_CONFIG)
+        processing = dataclasses.replace(processing, max_pixels=EMBEDDED_MAX_PIXELS)
+        return VisionTransformer, EMBEDDED_CONFIG, DEFAULT_FAMILY, processing
     try:
         values = read_config(model)
         family = family_of_config(values)
         kind, config = tower_class_of(family), family.read_config(values)
+        processing = family.processing.for_checkpoint(config, *read_processor_configs(model))
     except CheckpointError as error:
         raise CliError(str(error)) from None
     except (ValueError, TypeError) as error:
         raise CliError(f"{model}: {error}") from None
-    return kind, config, family
+    return kind, config, family, processing
+
+
+def _with_options(processing: Processing, args: argparse.Namespace) -> Processing:
+    """The checkpoint's preparation with the command line's overrides. Where only a cap is given below the
+    checkpoint's smallest size, the smallest size follows it down."""
+    changes = {}
+    for name in ("fps", "max_frames", "min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    processing = dataclasses.replace(processing, **changes)
+    lowered = {}
+    for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+        if getattr(processing, low) > getattr(processing, high):
+            if low in changes:
+                raise CliError(
+                    f"--{low.replace('_', '-')} {changes[low]} is larger than the checkpoint's {high}"
+                    f" {getattr(processing, high)}"
+                )
+            lowered[low] = getattr(processing, high)
+    return dataclasses.replace(processing, **lowered)
+
+
+def _resolve_model(name: str, log) -> Path:
+    try:
+        return resolve_model(name, log)
+    except CheckpointError as error:
+        raise CliError(str(error)) from None
 
 
 def _load_tower(
-    model: str | None,
+    model: Path | None,
     dtype: torch.dtype,
     device: torch.device,
     parallel: str | None = None,
     kind: type = VisionTransformer,
 ):
-    """The tower of class ``kind`` (in ``parallel`` mode across the default process group) and its name for the
-    metadata."""
+    """The tower of class ``kind`` from checkpoint directory ``model`` (None: the embedded one), in ``parallel``
+    mode across the default process group."""
     if model is None:
         full = VisionTransformer(EMBEDDED_CONFIG).init_random_weights(EMBEDDED_SEED)
         if parallel is None:
-            return full.to(dtype=dtype, device=device), "embedded-random"
+            return full.to(dtype=dtype, device=device)
         try:
             tower = VisionTransformer(EMBEDDED_CONFIG, parallel=parallel, dtype=dtype, device=device)
         except (ValueError, RuntimeError) as error:
             raise CliError(f"--parallel {parallel}: {error}") from None
         tower.load_full_state_dict(full.state_dict())
-        return tower, "embedded-random"
+        return tower
     try:
         tower = kind.from_pretrained(model, dtype=dtype, device=device, parallel=parallel)
     except CheckpointError as error:
@@ -552,7 +575,7 @@ def _load_tower(
     # A readable checkpoint can still hold a config or tensors that do not make a tower.
     except (ValueError, TypeError) as error:
         raise CliError(f"{model}: {error}") from None
-    return tower, model
+    return tower
 
 
 def _describe(config, family: Family) -> str:
@@ -630,29 +653,25 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
         raise CliError(f"--device {device}: {error}") from None
     output = Path(args.output)
     _check_output(output)
-    kind, model_config, family = _model_kind(args.model)
+    model = None if args.model is None else _resolve_model(args.model, log)
+    kind, model_config, family, processing = _model_kind(model)
+    processing = _with_options(processing, args)
+    inputs = _collect_inputs(args.images, args.video, processing.fps, processing.max_frames, processing.sample)
 
-    def sample(total_frames, video_fps, fps, max_frames):
-        return family.processing.sample(total_frames, video_fps, fps, max_frames, model_config)
-
-    inputs = _collect_inputs(args.images, args.video, args.fps, args.max_frames, sample)
-
-    tower, model_name = _load_tower(args.model, dtype, device, args.parallel, kind)
+    tower = _load_tower(model, dtype, device, args.parallel, kind)
     config = tower.config
     if args.model is None:
         log(
             f"model: embedded random default ({_describe(config, family)}; random weights, seed {EMBEDDED_SEED}: "
-            "features carry no meaning; pass --model DIR for a real checkpoint)"
+            "features carry no meaning; pass --model DIR or a Hub model id for a real checkpoint)"
         )
+        log(f"images capped at {processing.max_pixels} pixels for the embedded tower (--max-pixels to change)")
     else:
         log(f"model: {args.model} ({_describe(config, family)})")
     log(f"backend: {_BACKEND_NAMES[backend]} on {device}, {str(dtype).removeprefix('torch.')}")
     if args.compile:
         tower.compile()
-    # The family's smallest image, unless --max-pixels is set below it.
-    processing = family.processing
-    min_pixels = args.min_pixels if args.min_pixels is not None else min(processing.min_pixels, args.max_pixels)
-    prepare = _Preparer(config, min_pixels, args.max_pixels, processing)
+    prepare = _Preparer(processing)
 
     tensors: dict[str, torch.Tensor] = {}
     grids: list[list[int]] = []
@@ -681,7 +700,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
         "kinds": json.dumps([item.kind for item in inputs]),
         "sampling": json.dumps([item.sampling for item in inputs]),
         "grid_thw": json.dumps(grids),
-        "model": model_name,
+        "model": args.model or "embedded-random",
         "dtype": str(dtype).removeprefix("torch."),
         "backend": backend,
         "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
@@ -690,9 +709,10 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
         _write_atomically(output, tensors, metadata)
     patches = sum(t * h * w for t, h, w in grids)
     videos = sum(item.kind == "video" for item in inputs)
+    included = "decoding and torch.compile's compilation included" if args.compile else "decoding included"
     log(
         f"encoded {_plural(len(inputs) - videos, 'image')}, {_plural(videos, 'video')} ({patches} patches) in "
-        f"{elapsed:.2f} s, decoding included: {len(inputs) / elapsed:.2f} images/s, {patches / elapsed:.0f} patches/s"
+        f"{elapsed:.2f} s, {included}: {len(inputs) / elapsed:.2f} inputs/s, {patches / elapsed:.0f} patches/s"
     )
     log(f"wrote {output} ({len(tensors)} tensors)" + (f", {args.parallel}-parallel" if args.parallel else ""))
     return 0
@@ -702,7 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``qvl`` command; returns the exit status (argparse's own exits included)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            # Unknown options reach the top-level parser, whose usage would hide the subcommand's options.
+            args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.check(args)
     except SystemExit as stop:  # argparse's --help and usage errors
         return int(stop.code or 0)

@@ -4,32 +4,82 @@ config offers the code that serves all tower kinds."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Protocol
 
 from qvl.kernels.attention import MAX_HEAD_DIM
 
-__all__ = ["GELU_APPROXIMATIONS", "Qwen2VisionConfig", "TowerConfig", "TowerShape", "VisionConfig", "check_gelu"]
+__all__ = [
+    "GELU_APPROXIMATIONS",
+    "SILU_NAMES",
+    "MlpActivation",
+    "Qwen2VisionConfig",
+    "TowerConfig",
+    "TowerShape",
+    "VisionConfig",
+    "torch_activation",
+]
 
 # The GELUs transformers' configs name for a vision MLP (``hidden_act``, keys of its ACT2FN) -> the approximation
-# bias_gelu computes them with: erf, the tanh formula (gelu_new, gelu_fast and gelu_pytorch_tanh are the same
-# function), or QuickGELU's x * sigmoid(1.702 x).
+# bias_gelu computes them with: erf, the tanh formula (gelu_new, gelu_fast, gelu_accurate, gelu_python_tanh and
+# gelu_pytorch_tanh are the same function), or QuickGELU's x * sigmoid(1.702 x).
 GELU_APPROXIMATIONS = {
     "gelu": "none",
     "gelu_python": "none",
     "gelu_pytorch_tanh": "tanh",
+    "gelu_python_tanh": "tanh",
     "gelu_new": "tanh",
     "gelu_fast": "tanh",
+    "gelu_accurate": "tanh",
     "quick_gelu": "quick",
 }
+# ACT2FN's names of SiLU, which a gated MLP's bias_swiglu computes.
+SILU_NAMES = frozenset({"silu", "swish"})
 
 
-def check_gelu(caller: str, hidden_act: str) -> None:
-    """Raise ValueError naming the supported activations unless ``hidden_act`` is one qvl's bias_gelu computes."""
-    if hidden_act not in GELU_APPROXIMATIONS:
+@functools.lru_cache(maxsize=None)
+def torch_activation(hidden_act: str) -> Callable:
+    """transformers' ``ACT2FN[hidden_act]``, one instance per name; ValueError for a name it does not resolve or a
+    learned activation."""
+    try:
+        from transformers.activations import ACT2FN
+    except ImportError:
         raise ValueError(
-            f"{caller}: the vision MLP's activation (hidden_act) must be one of {sorted(GELU_APPROXIMATIONS)}, which"
-            f" qvl's fused bias+GELU op computes; got {hidden_act!r}"
-        )
+            f"the vision MLP's activation {hidden_act!r} has no fused qvl op; torch runs it as transformers' ACT2FN"
+            " names it, which needs transformers (pip install 'qvl[hf]')"
+        ) from None
+    if hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act must be one of transformers' ACT2FN names {sorted(ACT2FN)}, got {hidden_act!r}")
+    module = ACT2FN[hidden_act]
+    # A learned activation (prelu, xielu) has weights of its own in the checkpoint, which qvl's towers do not load.
+    if any(True for _ in module.parameters()):
+        raise ValueError(f"hidden_act {hidden_act!r} has learned parameters, which qvl's vision towers do not load")
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpActivation:
+    """A vision MLP's activation: ``hidden_act`` (any of transformers' ACT2FN names) on fc1's output, or with
+    ``gated`` on a gated MLP's gate projection, times its up projection (Qwen2.5-VL's ``down(act(gate) * up)``).
+
+    ``fused`` names the fused qvl op computing bias + activation: bias_gelu's approximation for a GELU, ``"swiglu"``
+    for a gated SiLU; None where no fused op fits, and then ``function`` (transformers' module) runs after the
+    bias-less GEMM and the bias add. Construction raises ValueError for a name ACT2FN does not resolve."""
+
+    hidden_act: str
+    gated: bool = False
+    function: Callable | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fused is None:
+            object.__setattr__(self, "function", torch_activation(self.hidden_act))
+
+    @property
+    def fused(self) -> str | None:
+        if self.gated:
+            return "swiglu" if self.hidden_act in SILU_NAMES else None
+        return GELU_APPROXIMATIONS.get(self.hidden_act)
 
 
 class TowerConfig(Protocol):
@@ -51,7 +101,7 @@ class TowerConfig(Protocol):
     num_grid_per_side: int | None
     windowed: bool
     full_attention_blocks: tuple[int, ...]
-    mlp_activation: str
+    mlp_activation: MlpActivation
 
 
 class TowerShape:
@@ -100,7 +150,10 @@ class VisionConfig(TowerShape):
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
             raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
-        check_gelu("VisionConfig", self.hidden_act)
+        try:
+            MlpActivation(self.hidden_act)
+        except ValueError as error:
+            raise ValueError(f"VisionConfig: {error}") from None
         if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
             raise ValueError(f"VisionConfig: deepstack_visual_indexes {self.deepstack_visual_indexes} outside depth")
         object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
@@ -119,9 +172,9 @@ class VisionConfig(TowerShape):
         return tuple(range(self.depth))
 
     @property
-    def mlp_activation(self) -> str:
-        """The blocks' MLP activation as bias_gelu names it (``"tanh"`` for Qwen3-VL's ``gelu_pytorch_tanh``)."""
-        return GELU_APPROXIMATIONS[self.hidden_act]
+    def mlp_activation(self) -> MlpActivation:
+        """The blocks' MLP activation (``fc2(act(fc1(x)))``)."""
+        return MlpActivation(self.hidden_act)
 
     @property
     def linear_flops_per_token(self) -> int:
@@ -171,8 +224,9 @@ class Qwen2VisionConfig(TowerShape):
         window_size: Qwen2.5-VL's window side in pixels; fullatt_block_indexes: its blocks that attend over
             whole frames (the others within windows; indexes past ``depth`` are accepted and never reached, as in
             transformers). Unused by Qwen2-VL.
-        hidden_act: ``"silu"`` (Qwen2.5-VL's SwiGLU) or a GELU of :data:`GELU_APPROXIMATIONS` (Qwen2-VL:
-            ``"quick_gelu"`` in the released models).
+        hidden_act: the MLP's activation, any of transformers' ACT2FN names: on the gate of Qwen2.5-VL's gated MLP
+            (``"silu"`` in the released models, fused as bias_swiglu), on fc1's output in Qwen2-VL's
+            (``"quick_gelu"``, fused as bias_gelu); others run as torch's activation (:class:`MlpActivation`).
         rope_theta: the 2D rotary's base. norm_eps: every norm's epsilon (transformers fixes it at 1e-6).
     """
 
@@ -201,10 +255,10 @@ class Qwen2VisionConfig(TowerShape):
                 f"{name}: hidden_size {self.hidden_size} over num_heads {self.num_heads} must give a head_dim that"
                 f" is a multiple of 4 and at most {MAX_HEAD_DIM}"
             )
-        if self.windowed and self.hidden_act != "silu":
-            raise ValueError(f"{name}: Qwen2.5-VL's vision MLP must use 'silu' (bias_swiglu), got {self.hidden_act!r}")
-        if not self.windowed:
-            check_gelu(name, self.hidden_act)
+        try:
+            MlpActivation(self.hidden_act, gated=self.windowed)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
         if self.windowed and self.window_size < self.spatial_merge_size * self.patch_size:
             raise ValueError(
                 f"{name}: window_size {self.window_size} must be at least spatial_merge_size * patch_size"
@@ -222,9 +276,9 @@ class Qwen2VisionConfig(TowerShape):
         return None
 
     @property
-    def mlp_activation(self) -> str:
-        """``"swiglu"`` (Qwen2.5-VL), else the GELU as bias_gelu names it."""
-        return "swiglu" if self.windowed else GELU_APPROXIMATIONS[self.hidden_act]
+    def mlp_activation(self) -> MlpActivation:
+        """The blocks' MLP activation: on the gate of Qwen2.5-VL's gated MLP, on fc1's output in Qwen2-VL's."""
+        return MlpActivation(self.hidden_act, gated=self.windowed)
 
     @property
     def full_attention_blocks(self) -> tuple[int, ...]:

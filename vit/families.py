@@ -78,7 +78,8 @@ class Family:
             ``windowed=True``, ...).
         config_path: the keys leading from a full model's config.json to its vision config.
         names: where transformers' modules of this family keep their MLP and merger parts.
-        processing: how the family's processors prepare images and videos.
+        processing: how the family's processors prepare images and videos by default (transformers' defaults; a
+            checkpoint's processor configs override them, :meth:`~qvl.vit.processing.Processing.for_checkpoint`).
         vllm_architectures: vLLM's model class names carrying this tower -> the vLLM module defining each.
         vllm_names: where vLLM's modules keep those parts (default: ``names``).
         sglang_architectures: SGLang's model class names carrying this tower.

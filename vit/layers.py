@@ -29,6 +29,7 @@ from qvl.kernels import ops_for
 from qvl.kernels.common import check_tensor
 
 __all__ = [
+    "Activation",
     "AllReduce",
     "Product",
     "column_parallel_input",
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+# An elementwise activation where no fused op fits (transformers' ACT2FN modules: SiLU, ReLU, ...).
+Activation = Callable[[torch.Tensor], torch.Tensor]
 # x -> x @ weight.T without bias, for a linear layer whose weight is not a plain tensor; or a module's whole
 # output (bias included), with the bias beside it None.
 Product = Callable[[torch.Tensor], torch.Tensor]
@@ -94,6 +97,19 @@ def _product(x: torch.Tensor, weight: torch.Tensor | Product) -> torch.Tensor:
 def _bias_or_zeros(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
     """``bias``, or zeros where a :data:`Product` added the bias itself."""
     return h.new_zeros(h.shape[-1]) if bias is None else bias
+
+
+def _add_bias(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h + bias``; ``h`` itself where a :data:`Product` added the bias."""
+    return h if bias is None else h + bias
+
+
+def _bias_activation(h: torch.Tensor, bias: torch.Tensor | None, activation: str | Activation) -> torch.Tensor:
+    """``activation(h + bias)``: a GELU as bias_gelu names it (``"none"``, ``"tanh"``, ``"quick"``) in the fused op,
+    any other elementwise function after a separate bias add."""
+    if callable(activation):
+        return activation(_add_bias(h, bias))
+    return _bias_gelu(h, bias, activation)
 
 
 def _bias_gelu(h: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
@@ -241,25 +257,26 @@ def vision_mlp(
     fc2_weight: torch.Tensor | Product,
     fc2_bias: torch.Tensor | None,
     all_reduce: AllReduce | None = None,
-    approximate: str = "tanh",
+    activation: str | Activation = "tanh",
 ) -> torch.Tensor:
-    """transformers' ``Qwen3VLVisionMLP`` forward on qvl ops: ``fc2(gelu_tanh(fc1(x)))`` (other GELUs through
-    ``approximate``, e.g. ``"quick"`` for Qwen2-VL's ``VisionMlp``).
+    """transformers' ``Qwen3VLVisionMLP`` forward on qvl ops: ``fc2(gelu_tanh(fc1(x)))`` (other activations through
+    ``activation``, e.g. ``"quick"`` for Qwen2-VL's ``VisionMlp``).
 
     Args:
         x: ``(N, C)``. fc1_weight ``(F, C)``, fc1_bias ``(F,)``, fc2_weight ``(C_out, F)``, fc2_bias
             ``(C_out,)``, all in x's dtype; either weight may be a :data:`Product` instead.
         all_reduce: tensor parallelism as in :func:`patch_merger` (fc1 column-, fc2 row-parallel; the
             partial fc2 product is reduced, then fc2_bias added once).
-        approximate: the GELU as :func:`bias_gelu_` names it: ``"tanh"`` (the default, Qwen3-VL's
-            ``gelu_pytorch_tanh``), ``"none"`` (exact erf) or ``"quick"`` (``x * sigmoid(1.702 x)``).
+        activation: a GELU as :func:`bias_gelu_` names it: ``"tanh"`` (the default, Qwen3-VL's
+            ``gelu_pytorch_tanh``), ``"none"`` (exact erf) or ``"quick"`` (``x * sigmoid(1.702 x)``); or any
+            elementwise function (:data:`Activation`, e.g. transformers' ``ACT2FN["silu"]``).
 
     Returns ``(N, C_out)`` in x's dtype. fc1 runs as a bias-less ``torch.mm`` followed by the in-place
-    :func:`bias_gelu_` with ``approximate``.
+    :func:`bias_gelu_` for a GELU, or by the bias add and ``activation``.
     """
     check_tensor("vision_mlp", "x", x, ndim=2)
     x = column_parallel_input(x, all_reduce)
-    h = _bias_gelu(_product(x, fc1_weight), fc1_bias, approximate)
+    h = _bias_activation(_product(x, fc1_weight), fc1_bias, activation)
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)
 
 
@@ -272,9 +289,10 @@ def swiglu_mlp(
     down_weight: torch.Tensor | Product,
     down_bias: torch.Tensor | None,
     all_reduce: AllReduce | None = None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """transformers' ``Qwen2_5_VLMLP`` forward on qvl ops: ``down(silu(gate(x)) * up(x))``, every projection
-    with a bias.
+    with a bias (another activation of the gate through ``activation``).
 
     Args:
         x: ``(N, C)``. gate_weight and up_weight ``(F, C)``, their biases ``(F,)``; down_weight ``(C_out, F)``,
@@ -282,13 +300,15 @@ def swiglu_mlp(
         all_reduce: tensor parallelism as in :func:`vision_mlp` (gate and up column-parallel, down
             row-parallel: the partial down product is reduced, then down_bias added once).
 
+        activation: None for SiLU (the fused op), else the gate's elementwise activation (:data:`Activation`).
+
     Returns ``(N, C_out)`` in x's dtype. gate and up run as bias-less products, their biases and the activation
-    in one :func:`bias_swiglu`.
+    in one :func:`bias_swiglu` (with ``activation``: bias adds, ``activation(gate) * up`` in torch).
     """
     check_tensor("swiglu_mlp", "x", x, ndim=2)
     x = column_parallel_input(x, all_reduce)
     gate, up = _product(x, gate_weight), _product(x, up_weight)
-    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce)
+    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce, activation)
 
 
 def stacked_swiglu_mlp(
@@ -298,6 +318,7 @@ def stacked_swiglu_mlp(
     down_weight: torch.Tensor | Product,
     down_bias: torch.Tensor | None,
     all_reduce: AllReduce | None = None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """:func:`swiglu_mlp` with gate and up stacked in one linear (vLLM's ``gate_up_proj``): ``gate_up_weight``
     ``(2F, C)`` (gate rows first) or a :data:`Product`, ``gate_up_bias`` ``(2F,)``; one product, whose halves
@@ -306,12 +327,15 @@ def stacked_swiglu_mlp(
     x = column_parallel_input(x, all_reduce)
     gate, up = _product(x, gate_up_weight).chunk(2, dim=-1)
     gate_bias, up_bias = (None, None) if gate_up_bias is None else gate_up_bias.chunk(2)
-    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce)
+    return _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce, activation)
 
 
-def _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce) -> torch.Tensor:
+def _swiglu_down(gate, up, gate_bias, up_bias, down_weight, down_bias, all_reduce, activation=None) -> torch.Tensor:
     """``down(silu(gate + gate_bias) * (up + up_bias))``, the biases and the activation in one op (a missing bias
-    as zeros)."""
+    as zeros); with ``activation``, ``down(activation(gate + gate_bias) * (up + up_bias))`` in torch."""
+    if activation is not None:
+        h = activation(_add_bias(gate, gate_bias)) * _add_bias(up, up_bias)
+        return row_parallel_linear(h, down_weight, down_bias, all_reduce)
     zeros = gate.new_zeros(gate.shape[-1]) if gate_bias is None or up_bias is None else None
     h = ops_for(gate.device).bias_swiglu(
         gate, up, zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias

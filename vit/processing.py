@@ -1,13 +1,17 @@
-"""How each model family's processors prepare images and videos for its tower: image normalization, the smallest
-resized image, and how frames are sampled from a video file (:class:`Processing`, which
-:mod:`qvl.vit.families` declares per family and ``qvl encode`` follows)."""
+"""How each model family's processors prepare images and videos for its tower (:class:`Processing`): normalization,
+the bounds on a resized image or video, the patches, and how frames are sampled from a video file. A family declares
+its defaults (:mod:`qvl.vit.families`); ``qvl encode`` reads a checkpoint's own processor configs over them
+(:meth:`Processing.for_checkpoint`), so that its inputs are the ones transformers' processors make for that
+checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "QWEN2_VL_PROCESSING",
@@ -15,22 +19,34 @@ __all__ = [
     "Processing",
     "sample_frame_indices",
     "sample_frame_indices_qwen2",
+    "smart_resize",
 ]
 
-# Qwen3-VL's preprocessor_config.json bounds the resized image to [256*256, 4096*4096] pixels.
+# Qwen3-VL's preprocessor_config.json bounds the resized image to [256*256, 4096*4096] pixels (transformers has no
+# Qwen3-VL image processor of its own: the checkpoints name Qwen2-VL's, with these values).
 QWEN3_VL_MIN_PIXELS = 256 * 256
 QWEN3_VL_MAX_PIXELS = 4096 * 4096
 QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
 QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
-# Qwen2-VL's and Qwen2.5-VL's image processor: OpenAI CLIP's mean and std, and its smallest image (56x56 pixels).
+# Qwen3VLVideoProcessor's defaults: frames times frame area within [128, 768] merged 32-px blocks' worth of pixels.
+QWEN3_VL_VIDEO_MIN_PIXELS = 128 * 32 * 32
+QWEN3_VL_VIDEO_MAX_PIXELS = 768 * 32 * 32
+# Qwen2VLImageProcessor's defaults (Qwen2-VL's and Qwen2.5-VL's): OpenAI CLIP's mean and std, images within
+# [56*56, 1280 merged 28-px blocks] pixels; Qwen2VLVideoProcessor's: each frame within [128, 768] such blocks.
 QWEN2_VL_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 QWEN2_VL_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 QWEN2_VL_MIN_PIXELS = 56 * 56
-# Qwen3-VL's video processor (Qwen2-VL's samples with the same defaults): frames sampled per second of video, and
-# bounds on the sampled count.
+QWEN2_VL_MAX_PIXELS = 1280 * 28 * 28
+QWEN2_VL_VIDEO_MIN_PIXELS = 128 * 28 * 28
+QWEN2_VL_VIDEO_MAX_PIXELS = 768 * 28 * 28
+# Both families' video processors: frames sampled per second of video, and bounds on the sampled count.
 QWEN3_VL_VIDEO_FPS = 2.0
 QWEN3_VL_MIN_FRAMES = 4
 QWEN3_VL_MAX_FRAMES = 768
+# The per-frame token ceiling of cap_pixels_per_frame: Qwen3VLVideoProcessor's, and Qwen2VLVideoProcessor's
+# context length from which it derives its own.
+QWEN3_VL_MAX_VIDEO_TOKENS = 768
+QWEN2_VL_MAX_VIDEO_TOKENS = 128000
 # transformers' fallback when a video stream states no frame rate.
 FALLBACK_VIDEO_FPS = 24.0
 
@@ -81,24 +97,217 @@ def sample_frame_indices_qwen2(
 
 @dataclasses.dataclass(frozen=True)
 class Processing:
-    """How a model family's processors prepare its inputs: image normalization, the smallest resized image, and
-    how video files are sampled (Qwen3-VL's any frame count, Qwen2-VL's whole temporal patches). The patch,
-    temporal patch and merge sizes come from the tower's config."""
+    """Every parameter by which a model family's processors prepare its inputs, as transformers' image processor
+    (``Qwen2VLImageProcessor``) and video processor (``Qwen3VLVideoProcessor``, ``Qwen2VLVideoProcessor``) read them.
 
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
+    A family declares its defaults (:data:`QWEN3_VL_PROCESSING`, :data:`QWEN2_VL_PROCESSING`, without patch sizes:
+    those come from the tower); :meth:`for_checkpoint` overrides them with what a checkpoint's processor configs
+    state and fills in the patch sizes.
+
+    Attributes:
+        image_mean, image_std: per-channel normalization (of pixels scaled to [0, 1]).
+        min_pixels, max_pixels: the image processor's bounds on a resized image (its ``size`` shortest and longest
+            edge, or ``min_pixels`` / ``max_pixels``).
+        video_min_pixels, video_max_pixels: the video processor's bounds: on a resized frame (Qwen2-VL's), or on
+            frames times frame area (Qwen3-VL's, ``video_pixels_over_frames``).
+        fps, min_frames, max_frames: how many frames are sampled from a video file (:meth:`sample`).
+        whole_temporal_patches: sampling rounds the frame count down to whole temporal patches (Qwen2-VL's).
+        video_pixels_over_frames: the video bounds count every frame (Qwen3-VL's), else each frame alone.
+        cap_pixels_per_frame, max_video_tokens: the video processor's optional per-frame cap (qwen-vl-utils').
+        patch_size, temporal_patch_size, merge_size: the patches (None in a family's defaults).
+    """
+
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
     min_pixels: int
+    max_pixels: int
+    video_min_pixels: int
+    video_max_pixels: int
+    fps: float
+    min_frames: int
+    max_frames: int
     whole_temporal_patches: bool
+    video_pixels_over_frames: bool
+    max_video_tokens: int
+    cap_pixels_per_frame: bool = False
+    patch_size: int | None = None
+    temporal_patch_size: int | None = None
+    merge_size: int | None = None
 
-    def sample(self, total_frames: int, video_fps: float | None, fps: float, max_frames: int, config) -> list[int]:
-        """The frame numbers sampled from a video file (see :func:`sample_frame_indices` and
-        :func:`sample_frame_indices_qwen2`); ``config`` gives the temporal patch size."""
+    def for_checkpoint(self, config, image: dict | None = None, video: dict | None = None) -> Processing:
+        """These defaults overridden by a checkpoint's image and video processor configs (dicts as in its
+        ``preprocessor_config.json`` / ``video_preprocessor_config.json``; None: none), the patch sizes taken from
+        them or else from the tower's ``config``. Raises ValueError naming a value that cannot be used."""
+        image, video = image or {}, video or {}
+        min_pixels, max_pixels = _pixel_bounds(image, self.min_pixels, self.max_pixels)
+        video_min_pixels, video_max_pixels = _pixel_bounds(video, self.video_min_pixels, self.video_max_pixels)
+        either = {**video, **image}
+        resolved = dataclasses.replace(
+            self,
+            image_mean=tuple(float(v) for v in image.get("image_mean", self.image_mean)),
+            image_std=tuple(float(v) for v in image.get("image_std", self.image_std)),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_min_pixels=video_min_pixels,
+            video_max_pixels=video_max_pixels,
+            fps=float(video.get("fps") or self.fps),
+            min_frames=int(video.get("min_frames", self.min_frames)),
+            max_frames=int(video.get("max_frames", self.max_frames)),
+            cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", self.cap_pixels_per_frame)),
+            max_video_tokens=int(video.get("max_video_tokens", self.max_video_tokens)),
+            patch_size=int(either.get("patch_size", config.patch_size)),
+            temporal_patch_size=int(either.get("temporal_patch_size", config.temporal_patch_size)),
+            merge_size=int(either.get("merge_size", config.spatial_merge_size)),
+        )
+        resolved.check(config)
+        return resolved
+
+    def check(self, config) -> None:
+        """Raise ValueError unless these parameters make the patches the tower of ``config`` takes."""
+        sizes = (self.patch_size, self.temporal_patch_size, self.merge_size)
+        wanted = (config.patch_size, config.temporal_patch_size, config.spatial_merge_size)
+        if sizes != wanted:
+            raise ValueError(
+                f"the processor config's patch_size, temporal_patch_size, merge_size {sizes} differ from the"
+                f" tower's {wanted}"
+            )
+        for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels", "min_frames", "max_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"the processor config's {name} must be positive, got {getattr(self, name)}")
+        if len(self.image_mean) != config.in_channels or len(self.image_std) != config.in_channels:
+            raise ValueError(f"the processor config's image_mean and image_std need {config.in_channels} values")
+
+    def sample(self, total_frames: int, video_fps: float | None, fps: float, max_frames: int) -> list[int]:
+        """The frame numbers sampled from a video file of ``total_frames`` frames at ``video_fps``, ``fps`` per
+        second and at most ``max_frames`` (see :func:`sample_frame_indices` and :func:`sample_frame_indices_qwen2`)."""
         if self.whole_temporal_patches:
             return sample_frame_indices_qwen2(
-                total_frames, video_fps, fps, max_frames, temporal_patch_size=config.temporal_patch_size
+                total_frames, video_fps, fps, max_frames, self.min_frames, temporal_patch_size=self.temporal_patch_size
             )
-        return sample_frame_indices(total_frames, video_fps, fps, max_frames)
+        return sample_frame_indices(total_frames, video_fps, fps, max_frames, self.min_frames)
+
+    def image_processor(self):
+        """transformers' Qwen2-VL PIL image processor with these parameters (needs transformers and pillow)."""
+        from transformers import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(
+            patch_size=self.patch_size,
+            temporal_patch_size=self.temporal_patch_size,
+            merge_size=self.merge_size,
+            image_mean=list(self.image_mean),
+            image_std=list(self.image_std),
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
+
+    def video_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` the video processor resizes ``num_frames`` frames of ``height x width`` to."""
+        factor = self.patch_size * self.merge_size
+        max_pixels = self.video_max_pixels
+        if self.video_pixels_over_frames:
+            # transformers refuses a video shorter than one temporal patch; it is sized as one.
+            frames = max(num_frames, self.temporal_patch_size)
+            if self.cap_pixels_per_frame:
+                per_frame = min(self.max_video_tokens * factor * factor, self.video_max_pixels // frames)
+                max_pixels = max(per_frame, int(self.video_min_pixels * 1.05)) * frames
+            return smart_resize(
+                height, width, factor, self.video_min_pixels, max_pixels, frames, self.temporal_patch_size
+            )
+        if self.cap_pixels_per_frame:
+            total = int(self.max_video_tokens * factor * factor * 0.9)
+            max_pixels = max(
+                min(max_pixels, total * self.temporal_patch_size // num_frames), int(self.video_min_pixels * 1.05)
+            )
+        return smart_resize(height, width, factor, self.video_min_pixels, max_pixels)
+
+    def video_pixel_values(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """One video's ``(pixel_values, [t, h, w])`` as the family's video processor makes them from ``frames``,
+        ``(T, H, W, C)`` uint8 RGB: resized (bicubic, antialiased, on the uint8 frames, as torchvision resizes
+        them), normalized in float32, an odd frame count padded by repeating the last frame, and patches laid out
+        ``[t][merge-block order]``."""
+        num_frames, height, width, channels = frames.shape
+        frames = frames.permute(0, 3, 1, 2)
+        size = self.video_size(num_frames, height, width)
+        if size != (height, width):
+            frames = F.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
+        # transformers fuses the 1/255 rescale into the mean and std, then subtracts and divides in float32.
+        scale = 1.0 / (1 / 255)
+        mean = (torch.tensor(self.image_mean) * scale).view(1, -1, 1, 1)
+        std = (torch.tensor(self.image_std) * scale).view(1, -1, 1, 1)
+        video = (frames.to(torch.float32) - mean) / std
+        if pad := -num_frames % self.temporal_patch_size:
+            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        slots, patch, merge = self.temporal_patch_size, self.patch_size, self.merge_size
+        grid_t, grid_h, grid_w = video.shape[0] // slots, size[0] // patch, size[1] // patch
+        patches = video.view(grid_t, slots, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(grid_t * grid_h * grid_w, channels * slots * patch * patch), [grid_t, grid_h, grid_w]
 
 
-QWEN3_VL_PROCESSING = Processing(QWEN3_VL_IMAGE_MEAN, QWEN3_VL_IMAGE_STD, QWEN3_VL_MIN_PIXELS, False)
-QWEN2_VL_PROCESSING = Processing(QWEN2_VL_IMAGE_MEAN, QWEN2_VL_IMAGE_STD, QWEN2_VL_MIN_PIXELS, True)
+def _pixel_bounds(values: dict, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """A processor config's pixel bounds: its ``size`` shortest and longest edge, overridden by ``min_pixels`` and
+    ``max_pixels`` where given (as transformers' processors read them); the defaults where it states neither."""
+    size = values.get("size") or {}
+    min_pixels = values.get("min_pixels") or size.get("shortest_edge") or min_pixels
+    max_pixels = values.get("max_pixels") or size.get("longest_edge") or max_pixels
+    return int(min_pixels), int(max_pixels)
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    num_frames: int | None = None,
+    temporal_factor: int = 1,
+) -> tuple[int, int]:
+    """transformers' ``smart_resize`` of Qwen's processors: the ``(height, width)``, multiples of ``factor`` near the
+    aspect ratio, whose area lies within ``[min_pixels, max_pixels]``. With ``num_frames``, Qwen3-VL's video
+    processor's: the bounds hold for the area times ``num_frames`` (rounded to ``temporal_factor``), and a frame
+    smaller than ``factor`` on a side is first scaled up."""
+    frames, t_bar = 1, 1
+    if num_frames is not None:
+        frames, t_bar = num_frames, round(num_frames / temporal_factor) * temporal_factor
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+QWEN3_VL_PROCESSING = Processing(
+    QWEN3_VL_IMAGE_MEAN,
+    QWEN3_VL_IMAGE_STD,
+    QWEN3_VL_MIN_PIXELS,
+    QWEN3_VL_MAX_PIXELS,
+    QWEN3_VL_VIDEO_MIN_PIXELS,
+    QWEN3_VL_VIDEO_MAX_PIXELS,
+    QWEN3_VL_VIDEO_FPS,
+    QWEN3_VL_MIN_FRAMES,
+    QWEN3_VL_MAX_FRAMES,
+    whole_temporal_patches=False,
+    video_pixels_over_frames=True,
+    max_video_tokens=QWEN3_VL_MAX_VIDEO_TOKENS,
+)
+QWEN2_VL_PROCESSING = Processing(
+    QWEN2_VL_IMAGE_MEAN,
+    QWEN2_VL_IMAGE_STD,
+    QWEN2_VL_MIN_PIXELS,
+    QWEN2_VL_MAX_PIXELS,
+    QWEN2_VL_VIDEO_MIN_PIXELS,
+    QWEN2_VL_VIDEO_MAX_PIXELS,
+    QWEN3_VL_VIDEO_FPS,
+    QWEN3_VL_MIN_FRAMES,
+    QWEN3_VL_MAX_FRAMES,
+    whole_temporal_patches=True,
+    video_pixels_over_frames=False,
+    max_video_tokens=QWEN2_VL_MAX_VIDEO_TOKENS,
+)

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from qvl.kernels import ops_for, torch_path
 
-from .config import TowerConfig
+from .config import MlpActivation, TowerConfig
 from .families import ModuleNames
 from .layers import (
     AllReduce,
@@ -98,7 +98,7 @@ class TowerSpec:
         windowed: blocks outside ``full_attention_blocks`` attend within windows (Qwen2.5-VL) of at most
             ``window_tokens`` tokens (their ``max_seqlen`` tile hint).
         position_table: the tower adds its learned position table, resampled per image (Qwen3-VL's family).
-        mlp_activation: ``"swiglu"``, or the GELU of a two-linear MLP as bias_gelu names it.
+        mlp_activation: the MLP's activation (gated or not; fused, or torch's).
         names: where the module tree keeps its MLP and merger parts.
     """
 
@@ -111,7 +111,7 @@ class TowerSpec:
     full_attention_blocks: tuple[int, ...]
     window_tokens: int | None
     position_table: bool
-    mlp_activation: str
+    mlp_activation: MlpActivation
     names: ModuleNames
 
     @classmethod
@@ -250,12 +250,14 @@ def position_step(
 def _mlp(mlp: nn.Module, h: torch.Tensor, spec: TowerSpec, all_reduce, linear: LinearParts) -> torch.Tensor:
     names = spec.names
     down = linear(part(mlp, names.mlp_out))
-    if spec.mlp_activation != "swiglu":
-        return vision_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce, spec.mlp_activation)
+    activation = spec.mlp_activation
+    if not activation.gated:
+        act = activation.fused or activation.function
+        return vision_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce, act)
     if len(names.mlp_in) == 1:  # gate and up as one stacked linear (vLLM's gate_up_proj)
-        return stacked_swiglu_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce)
+        return stacked_swiglu_mlp(h, *linear(part(mlp, names.mlp_in[0])), *down, all_reduce, activation.function)
     gate, up = (linear(part(mlp, name)) for name in names.mlp_in)
-    return swiglu_mlp(h, *gate, *up, *down, all_reduce)
+    return swiglu_mlp(h, *gate, *up, *down, all_reduce, activation.function)
 
 
 def block_step(

@@ -102,7 +102,7 @@ def test_images_match_the_tower_on_transformers_preprocessing(images, embedded_t
     assert encode(*images, "--output", output, "--batch-size", 2, "--min-pixels", 1024) == 0
     tensors, metadata = read_output(output)
 
-    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, 1024, cli.DEFAULT_MAX_PIXELS)
+    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, 1024, cli.EMBEDDED_MAX_PIXELS)
     grids = []
     for index, path in enumerate(images):
         batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
@@ -122,7 +122,7 @@ def test_images_match_the_tower_on_transformers_preprocessing(images, embedded_t
 
     err = capsys.readouterr().err
     assert "embedded random default" in err and "torch CPU path" in err
-    assert "images/s" in err and "patches/s" in err
+    assert "inputs/s" in err and "patches/s" in err and "images/s" not in err and "compilation" not in err
     assert [p.name for p in tmp_path.iterdir()] == ["features.safetensors"]  # no temporary file left
 
 
@@ -136,7 +136,7 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
         frame.save(folder / f"frame{number}.png")
     (folder / "notes.txt").write_text("not a frame")
 
-    # min_pixels below 64*96 so the frames keep their size and the reference can skip resizing
+    # video min_pixels below 3*64*96 so the frames keep their size and the reference can skip resizing
     video = [np.asarray(frame, dtype=np.float32).transpose(2, 0, 1) / 255 for frame in frames]
     video = (torch.from_numpy(np.stack(video))[None] - 0.5) / 0.5
     expected, grid_t, grid_h, grid_w = Qwen3VLVideoProcessor().patchify(
@@ -144,14 +144,14 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
     )
     assert (grid_t, grid_h, grid_w) == (2, 4, 6)
 
-    prepare = cli._Preparer(cli.EMBEDDED_CONFIG, min_pixels=1024, max_pixels=cli.DEFAULT_MAX_PIXELS)
+    prepare = cli._Preparer(dataclasses.replace(cli._model_kind(None)[3], video_min_pixels=1024))
     item = cli._Input("video", str(folder), cli._frame_files(folder))
     rows, grid = prepare(item)
     assert grid == [2, 4, 6]
     torch.testing.assert_close(rows, expected[0], rtol=0, atol=1e-6)
 
     output = tmp_path / "out.safetensors"
-    assert encode(images[0], "--video", folder, "-o", output, "--min-pixels", 1024) == 0
+    assert encode(images[0], "--video", folder, "-o", output, "--min-pixels", 1024, "--video-min-pixels", 1024) == 0
     tensors, metadata = read_output(output)
     assert json.loads(metadata["kinds"]) == ["image", "video"]
     assert json.loads(metadata["grid_thw"])[1] == [2, 4, 6]
@@ -244,8 +244,9 @@ def test_video_file_equals_its_sampled_frames_as_a_folder(suffix, frames, fps, o
         Image.fromarray(decoded[index]).save(folder / f"{index}.png")
 
     from_file, from_folder = tmp_path / "file.safetensors", tmp_path / "folder.safetensors"
-    assert encode(video, "-o", from_file, "--min-pixels", 1024, *options) == 0
-    assert encode("--video", folder, "-o", from_folder, "--min-pixels", 1024) == 0
+    # A low video min_pixels keeps the 64x64 frames at their size.
+    assert encode(video, "-o", from_file, "--video-min-pixels", 1024, *options) == 0
+    assert encode("--video", folder, "-o", from_folder, "--video-min-pixels", 1024) == 0
     tensors, metadata = read_output(from_file)
     expected, expected_metadata = read_output(from_folder)
     assert sorted(tensors) == sorted(expected)
@@ -269,7 +270,8 @@ def test_video_files_mix_with_images_and_folders_in_order(images, tmp_path):
     for number in range(2):
         random_picture(64, 64, number).save(folder / f"{number}.png")
     output = tmp_path / "out.safetensors"
-    argv = [images[0], clip, images[2], "--video", renamed, "--video", folder, "-o", output, "--min-pixels", 1024]
+    argv = [images[0], clip, images[2], "--video", renamed, "--video", folder, "-o", output]
+    argv += ["--min-pixels", 1024, "--video-min-pixels", 1024]
     assert encode(*argv, "--batch-size", 2) == 0
     tensors, metadata = read_output(output)
     assert json.loads(metadata["sources"]) == [str(path) for path in (images[0], clip, images[2], renamed, folder)]
@@ -290,6 +292,33 @@ def checkpoint(tmp_path_factory) -> tuple[Path, VisionTransformer]:
     return directory, tower
 
 
+def test_model_directory_photo_gets_the_checkpoints_grid(checkpoint, tmp_path, capsys):
+    """A 1920x1080 photo through --model DIR with Qwen3-VL's preprocessor_config.json: transformers' grid (68 x 120
+    patches, not shrunk to a fixed cap), and the features of those pixels."""
+    directory, tower = checkpoint
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in directory.iterdir():
+        (model / file.name).symlink_to(file)
+    stated = {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    }
+    (model / "preprocessor_config.json").write_text(json.dumps({**stated, "patch_size": 16, "merge_size": 2}))
+    photo = tmp_path / "photo.jpg"
+    random_picture(1080, 1920, 5).save(photo)
+    output = tmp_path / "out.safetensors"
+    assert encode(photo, "--model", model, "-o", output) == 0
+    tensors, metadata = read_output(output)
+    assert json.loads(metadata["grid_thw"]) == [[1, 68, 120]]
+
+    processor = Qwen2VLImageProcessorPil(**stated, patch_size=16, merge_size=2)
+    batch = processor(images=[Image.open(photo).convert("RGB")], return_tensors="pt")
+    assert batch["image_grid_thw"].tolist() == [[1, 68, 120]]
+    assert_features_match(tensors, 0, tower, batch["pixel_values"], batch["image_grid_thw"])
+
+
 def test_model_directory(images, checkpoint, tmp_path):
     directory, tower = checkpoint
     output = tmp_path / "out.safetensors"
@@ -298,7 +327,7 @@ def test_model_directory(images, checkpoint, tmp_path):
     assert sorted(tensors) == ["image.0.deepstack.0", "image.0.merged"]
     assert metadata["model"] == str(directory)
 
-    processor = qwen3_vl_image_processor(TINY_CONFIG, cli.QWEN3_VL_MIN_PIXELS, cli.DEFAULT_MAX_PIXELS)
+    processor = qwen3_vl_image_processor(TINY_CONFIG, processing.QWEN3_VL_MIN_PIXELS, processing.QWEN3_VL_MAX_PIXELS)
     batch = processor(images=[Image.open(images[1]).convert("RGB")], return_tensors="pt")
     assert tensors["image.0.merged"].shape[1] == TINY_CONFIG.out_hidden_size
     assert_features_match(tensors, 0, tower, batch["pixel_values"], batch["image_grid_thw"])
@@ -467,6 +496,8 @@ def test_without_pyav_images_and_folders_still_encode(images, tmp_path, monkeypa
         [],  # no inputs
         ["x.png", "--batch-size", "0"],
         ["x.png", "--min-pixels", "4096", "--max-pixels", "1024"],
+        ["x.png", "--video-min-pixels", "4096", "--video-max-pixels", "1024"],
+        ["x.png", "--no-such-option"],  # the subcommand's own usage, not the top-level one
         ["x.png", "--dtype", "float64"],
         ["x.mp4", "--fps", "0"],
         ["x.mp4", "--fps", "nan"],
@@ -482,7 +513,7 @@ def test_usage_errors_exit_2(argv, capsys):
 def test_help_documents_the_output_layout(capsys):
     assert cli.main(["encode", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "image.{i}.merged" in out and "image.{i}.deepstack.{j}" in out and str(cli.QWEN3_VL_MAX_PIXELS) in out
+    assert "image.{i}.merged" in out and "image.{i}.deepstack.{j}" in out and str(processing.QWEN3_VL_MAX_PIXELS) in out
     assert "--fps F" in out and "--max-frames N" in out and ".webm" in out and "linspace" in out
 
 
@@ -529,7 +560,7 @@ def test_torchrun_weights_parallel_equals_single_process(images, embedded_tower,
     assert sorted(got) == sorted(expected)
     # The shards' split sums round differently, so the two need not be bit-equal: each is held to the
     # tower's rounding, hence both to each other's.
-    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, cli.QWEN3_VL_MIN_PIXELS, cli.DEFAULT_MAX_PIXELS)
+    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, processing.QWEN3_VL_MIN_PIXELS, cli.EMBEDDED_MAX_PIXELS)
     for index, path in enumerate((images[0], images[2])):
         batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
         for tensors in (expected, got):
@@ -627,8 +658,9 @@ def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_ch
     # 7 frames at 4 fps are 1.75 s: 3.5 frames at 2 fps, at least 4, rounded down to whole temporal patches.
     assert json.loads(metadata["sampling"])[2]["indices"] == [0, 1, 3, 5]
 
-    processor = Qwen2VLImageProcessorPil(max_pixels=cli.DEFAULT_MAX_PIXELS)  # its defaults are Qwen2-VL's
-    assert processor.patch_size == 14 and processor.size["shortest_edge"] == cli.QWEN2_VL_MIN_PIXELS
+    # The checkpoints have no processor configs: transformers' defaults, which are Qwen2-VL's.
+    processor = Qwen2VLImageProcessorPil()
+    assert processor.patch_size == 14 and processor.size["shortest_edge"] == processing.QWEN2_VL_MIN_PIXELS
     assert (
         tuple(processor.image_mean) == processing.QWEN2_VL_IMAGE_MEAN
         and tuple(processor.image_std) == processing.QWEN2_VL_IMAGE_STD

@@ -7,10 +7,12 @@ import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+from transformers.activations import ACT2FN
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionTransformer, is_patched, patch_model, register_attention, unpatch_model
+from qvl.vit.config import MlpActivation, torch_activation
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from ranks import run_two_ranks
 from tolerance import assert_error_within
@@ -96,9 +98,15 @@ def test_vision_model_outputs_unchanged():
     assert_error_within(vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]")
 
 
-@pytest.mark.parametrize("hidden_act", ["gelu", "quick_gelu", "gelu_new"])
+# Every activation transformers' ACT2FN resolves without learned parameters of its own (prelu and xielu have some).
+MLP_ACTIVATIONS = sorted(set(ACT2FN) - {"prelu", "xielu"})
+
+
+@pytest.mark.parametrize("hidden_act", MLP_ACTIVATIONS)
 def test_vision_mlp_activations_transformers_names(hidden_act, tower_calls):
-    """Every GELU a transformers config can name for the vision MLP runs on qvl's fused bias+GELU op."""
+    """Every activation a transformers config can name for the vision MLP runs: a GELU on qvl's fused bias+GELU op,
+    any other (silu, as transformers' Qwen3-VL testers build their vision configs, relu, ...) as the bias-less GEMM,
+    the bias add and torch's activation."""
     hf = hf_vision_model(seed=2, hidden_act=hidden_act, **TINY_VISION)
     pixels, grid = pixel_values_for(GRID), torch.tensor(GRID)
     truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)))
@@ -109,9 +117,18 @@ def test_vision_mlp_activations_transformers_names(hidden_act, tower_calls):
     assert_error_within(vision_fields(got), truth, vision_fields(expected), what=hidden_act)
 
 
-def test_unsupported_vision_activation_is_refused_by_name():
-    with pytest.raises(ValueError, match="hidden_act.*'gelu_pytorch_tanh'.*got 'relu'"):
-        patch_model(hf_vision_model(seed=2, hidden_act="relu", **TINY_VISION))
+def test_mlp_activation_takes_the_fused_op_where_one_fits():
+    assert [MlpActivation(name).fused for name in ("gelu", "gelu_accurate", "quick_gelu")] == ["none", "tanh", "quick"]
+    assert MlpActivation("silu", gated=True).fused == "swiglu" and MlpActivation("swish", gated=True).function is None
+    for activation in (MlpActivation("silu"), MlpActivation("gelu", gated=True), MlpActivation("relu")):
+        assert activation.fused is None and activation.function is torch_activation(activation.hidden_act)
+    with pytest.raises(ValueError, match="hidden_act must be one of transformers' ACT2FN names.*got 'no_such_act'"):
+        MlpActivation("no_such_act")
+
+
+def test_learned_vision_activation_is_refused_by_name():
+    with pytest.raises(ValueError, match="hidden_act 'prelu' has learned parameters"):
+        patch_model(hf_vision_model(seed=2, hidden_act="prelu", **TINY_VISION))
 
 
 def test_compiled_patched_model_keeps_deepstack_features():

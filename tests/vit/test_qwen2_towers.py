@@ -116,11 +116,27 @@ def test_vision_model_outputs_unchanged(name, dtype):
         ("qwen2_5_vl", dict(depth=2, fullatt_block_indexes=[7, 15, 23, 31])),
         ("qwen2_vl", dict(hidden_act="gelu")),
         ("qwen2_vl", dict(hidden_act="gelu_pytorch_tanh")),
+        ("qwen2_vl", dict(hidden_act="silu")),
+        ("qwen2_vl", dict(hidden_act="relu")),
+        ("qwen2_5_vl", dict(depth=2, hidden_act="gelu_pytorch_tanh")),
+        ("qwen2_5_vl", dict(depth=2, hidden_act="relu")),
+        ("qwen2_5_vl", dict(depth=2, hidden_act="swish")),
     ],
-    ids=["qwen2_5_vl-fullatt-past-depth", "qwen2_vl-gelu", "qwen2_vl-gelu-tanh"],
+    ids=[
+        "qwen2_5_vl-fullatt-past-depth",
+        "qwen2_vl-gelu",
+        "qwen2_vl-gelu-tanh",
+        "qwen2_vl-silu",
+        "qwen2_vl-relu",
+        "qwen2_5_vl-gated-gelu-tanh",
+        "qwen2_5_vl-gated-relu",
+        "qwen2_5_vl-swish",
+    ],
 )
 def test_configs_transformers_accepts_run_on_qvl(name, overrides, tower_calls):
-    """Configs transformers runs and qvl once refused: the tower runs on qvl (not the fallback) and matches."""
+    """Configs transformers runs and qvl once refused: the tower runs on qvl (not the fallback) and matches. Every
+    MLP activation transformers' ACT2FN resolves runs, Qwen2.5-VL's gated MLP with any activation of the gate too
+    (fused bias_swiglu for silu / swish, else the bias-less GEMMs then torch's activation)."""
     hf, rotary = vision_model(name, seed=2, **overrides)
     pixels, grid = pixel_values_for(GRID, channels=PATCH_DIM), torch.tensor(GRID)
 
@@ -156,9 +172,9 @@ def test_models_found_and_unpatched():
 
 
 def test_unsupported_activation_is_refused():
-    config = Qwen2VLVisionConfig(**{**QWEN2_VISION, "hidden_act": "relu"})
+    config = Qwen2VLVisionConfig(**{**QWEN2_VISION, "hidden_act": "prelu"})
     model = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(config)
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match="hidden_act 'prelu' has learned parameters"):
         patch_model(model)
     assert not is_patched(model)
 

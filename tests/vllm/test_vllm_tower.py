@@ -93,7 +93,7 @@ def test_mismatches_leave_vllm_tower():
     assert "quantized" in vllm_tower.tower_mismatch(visual, quantized, family)
     assert "differs from what qvl expects" in vllm_tower.tower_mismatch(torch.nn.Linear(2, 2), config, family)
     other_act = copy.deepcopy(hf_model.config)
-    other_act.hidden_act = "silu"
+    other_act.hidden_act = "prelu"  # learned: qvl does not load its weight (silu, relu, ... now run on qvl)
     assert "hidden_act" in vllm_tower.tower_mismatch(visual, model_config_of(other_act), family)
     visual.blocks[1].norm2 = torch.nn.RMSNorm(visual.hidden_size)
     assert "LayerNorm" in vllm_tower.tower_mismatch(visual, config, family)
