@@ -67,6 +67,7 @@ __all__ = [
     "run_launches",
     "set_value_checks",
     "shared_memory_per_block",
+    "strides_16_byte_aligned",
     "value_checks_enabled",
 ]
 
@@ -253,16 +254,19 @@ def compile_launch(launch: KernelLaunch, target: GPUTarget) -> Any:
 
 def rows_16_byte_aligned(*tensors: torch.Tensor) -> bool:
     """Whether every tensor's data starts on a 16-byte boundary and every stride but the last (contiguous)
-    one is a multiple of 16 bytes: then every row a kernel addresses starts on a 16-byte boundary and can
-    be moved with 16-byte vector or asynchronous copies. Dims of size 1 are never stepped, so their
-    strides do not count. Reads host metadata only (no device sync)."""
-    for tensor in tensors:
-        if tensor.data_ptr() % 16:
-            return False
-        elements = 16 // tensor.element_size()
-        if any(size > 1 and stride % elements for size, stride in zip(tensor.shape[:-1], tensor.stride()[:-1])):
-            return False
-    return True
+    one is a multiple of 16 bytes (:func:`strides_16_byte_aligned`): then every row a kernel addresses starts on a
+    16-byte boundary and can be moved with 16-byte vector or asynchronous copies. Reads host metadata only (no
+    device sync)."""
+    return all(
+        t.data_ptr() % 16 == 0 and strides_16_byte_aligned(t.shape, t.stride(), t.element_size()) for t in tensors
+    )
+
+
+def strides_16_byte_aligned(shape: Sequence[int], strides: Sequence[int], element_size: int) -> bool:
+    """Whether every stride but the last of a tensor of ``shape`` is a multiple of 16 bytes. Dims of size 1 are
+    never stepped, so their strides do not count."""
+    elements = 16 // element_size
+    return not any(size > 1 and stride % elements for size, stride in zip(shape[:-1], strides[:-1]))
 
 
 def check_tensor(

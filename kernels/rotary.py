@@ -5,9 +5,10 @@ Semantics (transformers' ``Qwen3VLVisionRotaryEmbedding`` + ``apply_rotary_pos_e
 position ``(row, col)`` has angles ``[row * inv_freq | col * inv_freq]`` (width ``D/2``), duplicated to
 width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp32 and cast back.
 
-The kernels compute cos/sin in fp32 from the int32 positions: no ``(T, D)`` cos/sin table exists. The
-same tile helpers (:func:`rope_dim_tables`, :func:`rope_cos_sin`, :func:`rope_apply`) rotate q inside
-``torch.ops.qvl.vision_attn`` when it is given ``positions``, so both round exactly alike. As in
+The kernel computes cos/sin in fp32 from the int32 positions, once per token for every head. When
+``torch.ops.qvl.vision_attn`` is given ``positions``, the kernel rotating its k also writes those cos/sin values
+into a ``(T, D)`` fp32 scratch table, from which the attention kernel rotates q as it loads it with the same
+:func:`rope_apply`, so both round exactly alike and no sin or cos is evaluated inside attention. As in
 attention, layouts whose rows all start on 16-byte boundaries (packed qkv views, contiguous outputs) get
 strides the compiler can prove aligned, so rows load and store in 16-byte vectors.
 
@@ -127,6 +128,7 @@ def _rotary_2d_kernel(
     QOut,
     KOut,
     Positions,
+    CosSin,
     # sizes
     num_tokens,
     num_heads,
@@ -148,6 +150,7 @@ def _rotary_2d_kernel(
     ROTATE_Q: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
     INVERSE: tl.constexpr,
+    WRITE_COS_SIN: tl.constexpr,
 ):
     if STRIDES_ALIGNED:
         # Multiples of 16 bytes on the host; proven so here, rows move in 16-byte vectors.
@@ -170,6 +173,11 @@ def _rotary_2d_kernel(
         # inverse rotation, which is also its transpose (rotations are orthogonal), hence the backward.
         sign = -sign
     cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+    if WRITE_COS_SIN:
+        # Columns d and d + D/2 share an angle: the row holds the D/2 angles' cos, then their sin.
+        half: tl.constexpr = HEAD_DIM // 2
+        cos_sin = tl.where(offs_d[None, :] < half, cos, sin)
+        tl.store(CosSin + tokens[:, None] * HEAD_DIM + offs_d[None, :], cos_sin, mask=mask)
 
     tile = (tokens, offs_d, partner, mask)
     if ROTATE_Q:
@@ -305,11 +313,21 @@ def launch_config(head_dim: int, target: GPUTarget) -> dict:
 
 
 def rotary_launches(
-    q, k, q_out, k_out, positions, rope_theta: float, target: GPUTarget, inverse: bool = False
+    q,
+    k,
+    q_out,
+    k_out,
+    positions,
+    rope_theta: float,
+    target: GPUTarget,
+    inverse: bool = False,
+    cos_sin: torch.Tensor | None = None,
 ) -> list[KernelLaunch]:
     """The launch rotating ``q`` into ``q_out`` and ``k`` into ``k_out`` (``q`` and ``q_out`` None: ``k``
     alone), all ``(T, H, D)`` with a contiguous last dim, an output possibly its own input; empty when there
-    is nothing to rotate. ``inverse`` rotates by the opposite angles (the backward of the rotation). Reads
+    is nothing to rotate. ``inverse`` rotates by the opposite angles (the backward of the rotation). Given
+    ``cos_sin`` (fp32 contiguous ``(T, D)``), the launch also writes into it each token's ``D / 2`` angles' cos
+    followed by their sin, exactly as it rotates with them (the attention kernel rotates q from it). Reads
     shapes, strides and data pointers only (no device sync)."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0 or num_heads == 0:
@@ -325,6 +343,7 @@ def rotary_launches(
         QOut=q_out,
         KOut=k_out,
         Positions=positions,
+        CosSin=k_out if cos_sin is None else cos_sin,  # a placeholder pointer where nothing is written
         # sizes
         num_tokens=num_tokens,
         num_heads=num_heads,
@@ -340,7 +359,12 @@ def rotary_launches(
         stride_koh=k_out.stride(1),
         stride_pt=positions.stride(0),
     )
-    flags = dict(ROTATE_Q=rotate_q, STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out), INVERSE=inverse)
+    flags = dict(
+        ROTATE_Q=rotate_q,
+        STRIDES_ALIGNED=rows_16_byte_aligned(q, k, q_out, k_out),
+        INVERSE=inverse,
+        WRITE_COS_SIN=cos_sin is not None,
+    )
     return [KernelLaunch(_rotary_2d_kernel, grid, args, {**config, **flags})]
 
 

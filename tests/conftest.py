@@ -63,7 +63,18 @@ def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.
 
 
 @pytest.fixture
-def empty_tile_table(monkeypatch):
+def fresh_attention_plans():
+    """No attention launch plan cached before or after the test (plans are cached per shape with the tile table
+    and launch configuration they were made from: tests that patch either start and end without them)."""
+    from qvl.kernels.attention import reload_tile_table
+
+    reload_tile_table()
+    yield
+    reload_tile_table()
+
+
+@pytest.fixture
+def empty_tile_table(monkeypatch, fresh_attention_plans):
     """Attention launches configured by the heuristic alone: the packaged tile table (a device's sm_90 entries,
     checked where they are used: test_attention_descriptors, test_cuda_compile) reads as empty."""
     from qvl.kernels.attention import config

@@ -62,11 +62,11 @@ def test_merged_table_is_what_launch_config_reads(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == table
     assert table["tiles"][key]["run"] == len(table["runs"]) - 1 and table["runs"][-1] == run
     monkeypatch.setattr(attention.config, "TILE_TABLE_PATH", path)
-    attention.tile_table.cache_clear()
+    attention.reload_tile_table()
     try:
         config = attention.launch_config(72, torch.bfloat16, HOPPER)
     finally:
-        attention.tile_table.cache_clear()
+        attention.reload_tile_table()
     assert {k: config[k] for k in attention.TILE_KEYS} == {k: entry[k] for k in attention.TILE_KEYS}
 
 

@@ -26,12 +26,14 @@ so K and V tiles are fetched with 16-byte asynchronous copies pipelined over ``n
 such as 72 elements otherwise proves nothing and rows are loaded element by element. Other layouts take
 the unproven path.
 
-With ``positions`` the 2D rotary embedding is applied (see :mod:`qvl.kernels.rotary`): each program
-rotates its q tile as it loads it, once, and k is rotated once per call, by the rotary kernel into a
-scratch tensor, before the attention launch. Rotating k inside the key loop instead redoes its sin/cos
-(inlined libdevice polynomials with range reduction) for every q block and head, S / BLOCK_M * H times per
-key, which makes the key loop several times longer and spills it to local memory; rotating q once per
-program leaves the loop as it is without rope (``python -m bench.sass_attention`` prints both).
+With ``positions`` the 2D rotary embedding is applied (see :mod:`qvl.kernels.rotary`): k is rotated once per call,
+by the rotary kernel into a scratch tensor, before the attention launch; that kernel evaluates each token's sin and
+cos once for all heads and also writes them into a ``(T, D)`` fp32 scratch table, from which each attention program
+rotates its q tile as it loads it, once. Rotating k inside the key loop instead redoes its rotation for every q
+block and head, S / BLOCK_M * H times per key, which makes the key loop longer; rotating q once per program leaves
+the loop as it is without rope, and reading cos/sin from the table keeps sin and cos (inlined libdevice polynomials
+with range reduction) out of the attention kernel altogether (``python -m bench.sass_attention`` prints both
+variants).
 
 Training: the op is differentiable in q, k and v. A call with grad mode on and one of them requiring grad
 runs :func:`vision_attn_with_lse` instead (routed by the op's autograd keys): the same kernel, which then
@@ -64,6 +66,7 @@ from .config import (
     heuristic_tiles,
     launch_config,
     launch_work,
+    reload_tile_table,
     segment_class,
     tile_key,
     tile_table,
@@ -83,7 +86,9 @@ __all__ = [
     "SHORT_SEGMENT_MAX",
     "TILE_KEYS",
     "TILE_TABLE_PATH",
+    "AttentionPlan",
     "AttentionWork",
+    "attention_plan",
     "backward_launch_config",
     "equal_length_runs",
     "HeadDimTiles",
@@ -91,6 +96,7 @@ __all__ = [
     "heuristic_tiles",
     "launch_config",
     "launch_work",
+    "reload_tile_table",
     "segment_class",
     "tile_key",
     "tile_table",

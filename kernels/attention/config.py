@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,15 +23,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import FMA_CONTRACTION, shared_memory_per_block
+from ..common import FMA_CONTRACTION, shared_memory_per_block, strides_16_byte_aligned
 
 __all__ = [
     "MAX_HEAD_DIM",
     "SHORT_SEGMENT_MAX",
     "TILE_KEYS",
     "TILE_TABLE_PATH",
+    "AttentionPlan",
     "AttentionWork",
+    "attention_plan",
     "backward_launch_config",
+    "descriptor_of",
     "head_dim_config",
     "HeadDimTiles",
     "head_dim_tiles",
@@ -41,6 +45,7 @@ __all__ = [
     "needs_wide_offsets",
     "segment_class",
     "segment_search_steps",
+    "reload_tile_table",
     "tile_key",
     "tile_table",
     "tma_capable",
@@ -265,3 +270,96 @@ def kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, Ten
     if not config["D_TAIL"]:
         return main, main
     return main, TensorDescriptor(x, list(x.shape), list(x.stride()), [config["BLOCK_N"], 1, config["D_TAIL"]])
+
+
+class AttentionPlan(NamedTuple):
+    """What an attention launch takes besides its tensors, for one key of :func:`attention_plan`: the grid, the
+    kernel's scalar arguments (sizes, scale, strides), its meta-parameters and compile options, and, where K and V
+    load through TMA, the four descriptors' templates (K main, K tail, V main, V tail; see :func:`descriptor_of`)."""
+
+    grid: tuple[int, int]
+    scalars: dict
+    kwargs: dict
+    descriptors: tuple[TensorDescriptor, ...] | None
+
+
+# Token counts change from batch to batch; a tower's blocks share one batch's plan, so few entries stay in use.
+@functools.lru_cache(maxsize=64)
+def attention_plan(
+    shape: torch.Size,
+    strides: tuple[tuple[int, ...], ...],
+    aligned_pointers: tuple[bool, ...],
+    dtype: torch.dtype,
+    target: GPUTarget,
+    num_segments: int,
+    segment_class_name: str,
+    softmax_scale: float | None,
+    rotate_q: bool,
+    store_lse: bool,
+    tiles: tuple[tuple[str, object], ...],
+) -> AttentionPlan:
+    """The launch plan of :func:`~.forward.vision_attn_launches` for inputs of ``shape`` with (q, k, v, out)
+    ``strides`` and data pointers (16-byte) ``aligned_pointers``: everything that depends on host metadata alone,
+    decided once per key, so that the calls of a tower's blocks, which share one batch, are a lookup (the
+    per-forward plan). Cached with the tile table it read: :func:`reload_tile_table` clears both."""
+    num_tokens, num_heads, head_dim = shape
+    q_strides, k_strides, v_strides, out_strides = strides
+    element = dtype.itemsize
+    rows_aligned = [
+        pointer and strides_16_byte_aligned(shape, x, element) for pointer, x in zip(aligned_pointers, strides)
+    ]
+    kv_aligned = rows_aligned[1] and rows_aligned[2]
+    max_seqlen = SHORT_SEGMENT_MAX if segment_class_name == "short" else None
+    config = {**launch_config(head_dim, dtype, target, max_seqlen), **dict(tiles)}
+    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
+    widest = max(x[0] for x in (q_strides, k_strides, v_strides, out_strides, (head_dim,) if rotate_q else (0,)))
+    flags = dict(
+        ROTATE_Q=rotate_q,
+        WIDE_OFFSETS=num_tokens * widest >= 2**31,
+        STRIDES_ALIGNED=all(rows_aligned),
+        STORE_LSE=store_lse,
+    )
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    scalars = dict(
+        # sizes
+        num_segments=num_segments,
+        search_steps=segment_search_steps(num_segments),
+        # scalars
+        qk_scale=scale * math.log2(math.e),
+        # strides
+        stride_qt=q_strides[0],
+        stride_qh=q_strides[1],
+        stride_kt=k_strides[0],
+        stride_kh=k_strides[1],
+        stride_vt=v_strides[0],
+        stride_vh=v_strides[1],
+        stride_ot=out_strides[0],
+        stride_oh=out_strides[1],
+        stride_lh=num_tokens if store_lse else 0,
+    )
+    descriptors = None
+    if config["DESCRIPTORS"]:
+        # Templates, validated here once (TensorDescriptor checks shapes, strides and alignment as it is made) and
+        # holding no tensor: a plan must not keep a batch's k and v alive.
+        k_main, k_tail = kv_descriptors(torch.empty_strided(shape, k_strides, dtype=dtype, device="meta"), config)
+        v_main, v_tail = kv_descriptors(torch.empty_strided(shape, v_strides, dtype=dtype, device="meta"), config)
+        descriptors = (k_main, k_tail, v_main, v_tail)
+        for descriptor in descriptors:
+            descriptor.base = None
+    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
+    return AttentionPlan(grid, scalars, {**config, **flags}, descriptors)
+
+
+def descriptor_of(template: TensorDescriptor, x: torch.Tensor) -> TensorDescriptor:
+    """``template``'s descriptor of ``x`` (which has the shape and strides it was made for, and a 16-byte aligned
+    data pointer), made without TensorDescriptor's checks: the plan ran them."""
+    descriptor = TensorDescriptor.__new__(TensorDescriptor)
+    descriptor.__dict__.update(template.__dict__, base=x)
+    return descriptor
+
+
+def reload_tile_table() -> None:
+    """Forget the tile table read so far and every plan made from it: the next launch reads the table file again
+    (after ``bench/tune_attention.py`` rewrote it, or a test patched :func:`tile_table` or :func:`launch_config`)."""
+    tile_table.cache_clear()
+    attention_plan.cache_clear()

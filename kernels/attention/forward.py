@@ -24,7 +24,6 @@ from ..common import (
     check_same_device,
     check_tensor,
     device_target,
-    rows_16_byte_aligned,
     run_launches,
 )
 from ..rotary import (
@@ -32,21 +31,12 @@ from ..rotary import (
     check_rope_head_dim,
     check_rope_theta,
     rope_apply,
-    rope_cos_sin,
-    rope_dim_tables,
     rotary_2d_reference,
     rotary_2d_torch,
     rotary_launches,
 )
 from ..tiles import aligned_stride
-from .config import (
-    MAX_HEAD_DIM,
-    kv_descriptors,
-    launch_config,
-    needs_wide_offsets,
-    segment_search_steps,
-    tma_capable,
-)
+from .config import MAX_HEAD_DIM, attention_plan, descriptor_of, segment_class
 
 __all__ = [
     "check_attn_args",
@@ -121,27 +111,22 @@ def _load_kv(
 
 @triton.jit
 def _load_q(
-    base,
-    rows,
-    stride_t,
-    cols,
-    row_mask,
-    pos,
-    rope,
-    HEAD_DIM: tl.constexpr,
-    ROTATE: tl.constexpr,
-    MASK_COLS: tl.constexpr,
+    base, rows, stride_t, cols, row_mask, CosSin, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, MASK_COLS: tl.constexpr
 ):
     """Load a tile of q rows (masked by ``row_mask``) over the head-dim columns ``cols`` and, with ROTATE, rotate
-    it and round it back to the input dtype (as the standalone rotary op would store it): ``pos`` is the rows'
-    ``(row_pos, col_pos)``, ``rope`` the columns' ``(inv_freq, from_col, partner, sign)``
-    (:func:`~qvl.kernels.rotary.rope_dim_tables`). ``MASK_COLS``: the tile is wider than the head."""
+    it and round it back to the input dtype, as the rotary kernel rotates and stores: ``CosSin`` points at the
+    rows' ``(T, D)`` fp32 table (each row the ``D / 2`` angles' cos, then their sin; see
+    :func:`~qvl.kernels.rotary.rotary_launches`). ``MASK_COLS``: the tile is wider than the head."""
     x = load_rows(base, rows, stride_t, cols, row_mask, HEAD_DIM, True, MASK_COLS)
     if ROTATE:
-        row_pos, col_pos = pos
-        inv_freq, from_col, partner, sign = rope
+        half: tl.constexpr = HEAD_DIM // 2
+        # NeoX rotate-half: column d pairs with d + D/2 (mod D) and both turn by the angle of d mod D/2.
+        partner = (cols + half) % HEAD_DIM
+        angle = cols % half
+        sign = tl.where(cols < half, -1.0, 1.0)
         x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True, MASK_COLS)
-        cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+        cos = load_rows(CosSin, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
+        sin = load_rows(CosSin + half, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
         x = rope_apply(x, x_partner, cos, sin, sign)
         if MASK_COLS:
             # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
@@ -266,7 +251,8 @@ def _attn_kv_block(
 
 @triton.jit(do_not_specialize=["num_segments", "search_steps"])
 def _vision_attn_kernel(
-    # pointers (Positions is read only with ROTATE_Q, Lse written only with STORE_LSE). With DESCRIPTORS, K and V
+    # pointers (CosSin, the rows' rotary cos/sin table, is read only with ROTATE_Q, Lse written only with STORE_LSE).
+    # With DESCRIPTORS, K and V
     # are TMA descriptors of the (T, H, D) tensors with (BLOCK_N, 1, D_MAIN) boxes, KTail and VTail with
     # (BLOCK_N, 1, D_TAIL) boxes; without, KTail and VTail are K and V.
     Q,
@@ -276,14 +262,13 @@ def _vision_attn_kernel(
     VTail,
     Out,
     CuSeqlens,
-    Positions,
+    CosSin,
     Lse,
     # sizes
     num_segments,
     search_steps,
     # scalars
     qk_scale,
-    log2_theta,
     # strides (tokens, heads); the last dim is contiguous. Lse is flat (H * T,): stride_lh = T.
     stride_qt,
     stride_qh,
@@ -293,7 +278,6 @@ def _vision_attn_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    stride_pt,
     stride_lh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
@@ -336,21 +320,12 @@ def _vision_attn_kernel(
         q_rows = offs_m.to(tl.int64) if WIDE_OFFSETS else offs_m
         main_cols, tail_cols = head_dim_columns(HEAD_DIM, D_MAIN, D_TAIL)
 
-        # Placeholders, replaced when ROTATE_Q (Triton needs every name bound on both paths).
-        pos = (offs_m, offs_m)
-        rope_main = (main_cols, main_cols, main_cols, main_cols)
-        rope_tail = (tail_cols, tail_cols, tail_cols, tail_cols)
         if ROTATE_Q:
-            Positions += first * stride_pt
-            rope_main = rope_dim_tables(main_cols, HEAD_DIM, log2_theta)
-            rope_tail = rope_dim_tables(tail_cols, HEAD_DIM, log2_theta)
-            row_pos = tl.load(Positions + q_rows * stride_pt, mask=q_mask, other=0)
-            col_pos = tl.load(Positions + q_rows * stride_pt + 1, mask=q_mask, other=0)
-            pos = (row_pos, col_pos)
-        q_main = _load_q(Q, q_rows, stride_qt, main_cols, q_mask, pos, rope_main, HEAD_DIM, ROTATE_Q, D_MAIN > HEAD_DIM)
+            CosSin += first * HEAD_DIM
+        q_main = _load_q(Q, q_rows, stride_qt, main_cols, q_mask, CosSin, HEAD_DIM, ROTATE_Q, D_MAIN > HEAD_DIM)
         q_tail = q_main
         if D_TAIL > 0:
-            q_tail = _load_q(Q, q_rows, stride_qt, tail_cols, q_mask, pos, rope_tail, HEAD_DIM, ROTATE_Q, False)
+            q_tail = _load_q(Q, q_rows, stride_qt, tail_cols, q_mask, CosSin, HEAD_DIM, ROTATE_Q, False)
             q_tail = zero_shared_columns(q_tail, tail_cols, D_MAIN, HEAD_DIM, D_TAIL)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -437,7 +412,8 @@ def vision_attn_launches(
 ) -> list[KernelLaunch]:
     """The launches :func:`vision_attn` runs, in order, for checked arguments and its output ``out``
     (contiguous ``(T, H, D)``, written by the last launch): with ``positions``, the rotary kernel rotating
-    k into a scratch tensor allocated here, then the attention kernel, tiled for the ``max_seqlen`` hint.
+    k into a scratch tensor allocated here and writing the rows' cos/sin into a scratch ``(T, D)`` fp32 table,
+    from which the attention kernel then rotates q; then the attention kernel, tiled for the ``max_seqlen`` hint.
     Given ``lse`` (fp32 flat ``(H * T,)``, head-major, what the backward needs), the attention kernel also writes
     each row's log-sum-exp of the scaled logits into it (natural log); without it, nothing more than the
     output is written. Empty when there is nothing to do. Reads shapes, strides, data pointers and the
@@ -452,38 +428,30 @@ def vision_attn_launches(
     if num_tokens == 0 or num_heads == 0 or num_segments == 0:
         return []
     launches = []
-    apply_rope = positions is not None
-    if apply_rope:
+    cos_sin = None
+    if positions is not None:
         # k is rotated once here; q, tile by tile, in the kernel (see :mod:`qvl.kernels.attention` for why).
         k_rotated = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target)
+        cos_sin = torch.empty((num_tokens, head_dim), dtype=torch.float32, device=k.device)
+        launches += rotary_launches(None, k, None, k_rotated, positions, rope_theta, target, cos_sin=cos_sin)
         k = k_rotated
-    config = {**launch_config(head_dim, q.dtype, target, max_seqlen), **(tiles or {})}
-    kv_aligned = rows_16_byte_aligned(k, v)
-    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
-    flags = dict(
-        ROTATE_Q=apply_rope,
-        WIDE_OFFSETS=needs_wide_offsets(num_tokens, q, k, v, out, positions),
-        STRIDES_ALIGNED=kv_aligned and rows_16_byte_aligned(q, out),
-        STORE_LSE=lse is not None,
-    )
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    grid = (num_tokens // config["BLOCK_M"] + num_segments, num_heads)
-    strides = dict(
-        stride_qt=q.stride(0),
-        stride_qh=q.stride(1),
-        stride_kt=k.stride(0),
-        stride_kh=k.stride(1),
-        stride_vt=v.stride(0),
-        stride_vh=v.stride(1),
-        stride_ot=out.stride(0),
-        stride_oh=out.stride(1),
-        stride_pt=positions.stride(0) if apply_rope else 0,
-        stride_lh=0 if lse is None else q.shape[0],
+    plan = attention_plan(
+        q.shape,
+        (q.stride(), k.stride(), v.stride(), out.stride()),
+        # The data pointers' 16-byte alignment: with the strides, whether every row of each tensor is aligned.
+        (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0),
+        q.dtype,
+        target,
+        num_segments,
+        segment_class(max_seqlen),
+        softmax_scale,
+        cos_sin is not None,
+        lse is not None,
+        tuple(sorted((tiles or {}).items())),
     )
     k_tail, v_tail = k, v
-    if config["DESCRIPTORS"]:
-        (k, k_tail), (v, v_tail) = kv_descriptors(k, config), kv_descriptors(v, config)
+    if plan.descriptors is not None:
+        k, k_tail, v, v_tail = (descriptor_of(proto, x) for proto, x in zip(plan.descriptors, (k, k, v, v)))
     args = dict(
         # pointers (or K/V descriptors); those a variant does not read get cu_seqlens as a placeholder
         Q=q,
@@ -493,17 +461,11 @@ def vision_attn_launches(
         VTail=v_tail,
         Out=out,
         CuSeqlens=cu_seqlens,
-        Positions=positions if apply_rope else cu_seqlens,
+        CosSin=cu_seqlens if cos_sin is None else cos_sin,
         Lse=cu_seqlens if lse is None else lse,
-        # sizes
-        num_segments=num_segments,
-        search_steps=segment_search_steps(num_segments),
-        # scalars
-        qk_scale=scale * math.log2(math.e),
-        log2_theta=math.log2(rope_theta),
-        **strides,
+        **plan.scalars,
     )
-    launches.append(KernelLaunch(_vision_attn_kernel, grid, args, {**config, **flags}))
+    launches.append(KernelLaunch(_vision_attn_kernel, plan.grid, args, plan.kwargs))
     return launches
 
 
@@ -669,8 +631,10 @@ def vision_attn(
             softmax).
         softmax_scale: defaults to ``D ** -0.5``.
         positions: optional int32 ``(T, 2)`` (row, col) per token: apply Qwen3-VL's 2D rotary embedding
-            (same result as :func:`rotary_2d` first). q is rotated as the kernel loads it; k once, into a
-            scratch ``(T, H, D)`` tensor freed on return. Needs D % 4 == 0.
+            (same result as :func:`rotary_2d` first). k is rotated once, into a scratch ``(T, H, D)`` tensor,
+            by a kernel that also writes the tokens' cos/sin into a scratch ``(T, D)`` fp32 table; q is rotated
+            from that table as the attention kernel loads it. Both scratch tensors are freed on return. Needs
+            D % 4 == 0.
         rope_theta: rotary base, used with ``positions``.
 
     Returns a new contiguous ``(T, H, D)`` tensor in q's dtype; softmax and accumulation in fp32.

@@ -24,11 +24,11 @@ interpreter_only = pytest.mark.skipif(not triton_interpreting(), reason="runs ke
 
 
 @pytest.fixture
-def descriptor_loads(monkeypatch):
+def descriptor_loads(monkeypatch, fresh_attention_plans):
     """Every attention launch asks for descriptor loads, as a tile-table entry would; yields the DESCRIPTORS
     flag each attention launch ended up with."""
     heuristic = attention.launch_config
-    monkeypatch.setattr(attention.forward, "launch_config", lambda *args: {**heuristic(*args), "DESCRIPTORS": True})
+    monkeypatch.setattr(attention.config, "launch_config", lambda *args: {**heuristic(*args), "DESCRIPTORS": True})
     build = attention.vision_attn_launches
     flags = []
 
@@ -164,7 +164,7 @@ def test_packaged_table_is_well_formed():
         assert run["device"] and run["torch"] and run["triton"] and run["date"], key
 
 
-def test_launch_config_follows_a_table_entry(monkeypatch):
+def test_launch_config_follows_a_table_entry(monkeypatch, fresh_attention_plans):
     entry = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DESCRIPTORS=True, ms=0.1, run=0)
     heuristic = attention.launch_config(72, torch.bfloat16, HOPPER)
     heuristic_fp16 = attention.launch_config(72, torch.float16, HOPPER)
