@@ -58,6 +58,8 @@ __all__ = [
     "INTERPRETER",
     "KernelLaunch",
     "backend_for",
+    "cached_config",
+    "cdiv",
     "check_dtype",
     "check_same_device",
     "check_tensor",
@@ -67,6 +69,7 @@ __all__ = [
     "fast_binder",
     "fast_launch_enabled",
     "force_backend",
+    "next_power_of_2",
     "refuse_autograd",
     "route_autograd",
     "rows_16_byte_aligned",
@@ -461,12 +464,41 @@ def rows_16_byte_aligned(*tensors: torch.Tensor) -> bool:
     be moved with 16-byte vector or asynchronous copies. Dims of size 1 are never stepped, so their
     strides do not count. Reads host metadata only (no device sync)."""
     for tensor in tensors:
-        if tensor.data_ptr() % 16:
-            return False
-        elements = 16 // tensor.element_size()
-        if any(size > 1 and stride % elements for size, stride in zip(tensor.shape[:-1], tensor.stride()[:-1])):
+        if tensor.data_ptr() % 16 or not _strides_16_byte_aligned(tensor.shape, tensor.stride(), tensor.element_size()):
             return False
     return True
+
+
+# Bounded: token counts, and so shapes, change from call to call.
+@functools.lru_cache(maxsize=1024)
+def _strides_16_byte_aligned(shape: torch.Size, strides: tuple[int, ...], element_size: int) -> bool:
+    elements = 16 // element_size
+    return not any(size > 1 and stride % elements for size, stride in zip(shape[:-1], strides[:-1]))
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's grids: ``triton.cdiv`` is a constexpr function, whose wrapper costs
+    microseconds a call outside a kernel."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (0 for 0), as ``triton.next_power_of_2`` computes it, without its
+    constexpr-function wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cached_config(config: Any) -> Any:
+    """Cache a launch-configuration function of hashable arguments (sizes, flags, the target): each call returns a
+    new dict (callers add to it and pop from it), copied from the one computed on the first call with those
+    arguments. Cache only functions of arguments that take few values (a row width, not a token count)."""
+    cached = functools.cache(config)
+
+    @functools.wraps(config)
+    def copied(*args: Any) -> dict:
+        return dict(cached(*args))
+
+    return copied
 
 
 def check_tensor(
