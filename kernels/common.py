@@ -567,15 +567,19 @@ def route_autograd(op: str, under_grad) -> None:
     as the custom op's own no-grad path does (inference is unchanged, eager or compiled).
 
     The dispatcher prefers these per-backend keys to the custom op's ``Autograd`` registration, and they still
-    see the caller's grad mode (the op body runs under the autograd function's no-grad). The check reads Python
-    attributes only.
+    see the caller's grad mode (the op body runs under the autograd function's no-grad). This kernel runs on every
+    call that is not in inference mode (which leaves the autograd keys out), so it is kept to two C calls: the check
+    torch's own custom-op autograd kernel makes (any tensor argument, or tensor in a list argument, requiring
+    grad) and the redispatch ``OpOverload.redispatch`` makes.
     """
-    overload = getattr(torch.ops.qvl, op).default
+    redispatch = getattr(torch.ops.qvl, op).default._handle.redispatch_boxed
+    below_autograd = torch._C._after_autograd_keyset
+    any_requires_grad = torch._C._any_requires_grad
 
     def route(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if torch.is_grad_enabled() and any_requires_grad(*args):
             return under_grad(*args)
-        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        return redispatch(keyset & below_autograd, *args)
 
     for key in ("AutogradCPU", "AutogradCUDA"):
         _AUTOGRAD_KEYS.impl(op, route, key, with_keyset=True)
