@@ -16,8 +16,9 @@ from triton.compiler import make_backend
 from triton.compiler.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction
 
-from qvl.kernels import common
-from qvl.kernels.common import HOPPER, KernelLaunch
+from conftest import ON_GPU
+from qvl.kernels import attention, common
+from qvl.kernels.common import HOPPER, KernelLaunch, device_target, run_launches
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -153,3 +154,57 @@ def test_a_rebound_global_or_a_launch_hook_sends_launches_through_triton(kernel,
     assert len(kernel.normal_launches) == 3
     _launch(kernel, x, y, 1000)
     assert len(kernel.normal_launches) == 3
+
+
+def _counting_triton_launches(kernel, monkeypatch) -> list:
+    """Record each launch of ``kernel`` that goes through Triton's ``JITFunction.run``."""
+    calls, run = [], kernel.run
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["grid"])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", counting)
+    return calls
+
+
+def _attention(q, k, v, cu_seqlens, positions):
+    """vision_attn's launches with K and V as TMA descriptors (TensorDescriptor arguments), run; the output."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    launches = attention.vision_attn_launches(
+        q, k, v, out, cu_seqlens, None, positions, 10000.0, device_target(q.device), None, None, {"DESCRIPTORS": True}
+    )
+    run_launches(launches, q.device)
+    return out
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launches CUDA kernels")
+def test_cuda_fast_launches_skip_triton_and_change_no_bit(monkeypatch):
+    """On a GPU: a repeated launch bypasses JITFunction.run, an unaligned input goes through it once, and the
+    results equal those of Triton's own launches bit for bit (the norm, and attention with descriptor arguments)."""
+    monkeypatch.setattr(common, "_fast_launch", True)
+    monkeypatch.setattr(common, "_fast_binders", {})  # what earlier tests launched would already be fast
+    layer_norm = torch.ops.qvl.layer_norm
+    norm_kernel = __import__("qvl.kernels.layer_norm", fromlist=["_"])._norm_kernel
+    triton_launches = _counting_triton_launches(norm_kernel, monkeypatch)
+    buffer = torch.randn(1 + 64 * 1152, device="cuda", dtype=torch.bfloat16)
+    aligned, unaligned = buffer[:-1].view(64, 1152), buffer[1:].view(64, 1152)
+    weight, bias = torch.randn(2, 1152, device="cuda", dtype=torch.bfloat16)
+    fast = [layer_norm(x, weight, bias, 1e-6) for x in (aligned, aligned, unaligned, unaligned)]
+    assert len(triton_launches) == 2, triton_launches
+    common.set_fast_launch(False)
+    slow = [layer_norm(x, weight, bias, 1e-6) for x in (aligned, unaligned)]
+    assert len(triton_launches) == 4
+    for got, expected in zip(fast, [slow[0], slow[0], slow[1], slow[1]]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    common.set_fast_launch(True)
+    attention_launches = _counting_triton_launches(attention.forward._vision_attn_kernel, monkeypatch)
+    q, k, v = torch.randn(256, 3, 16, 72, device="cuda", dtype=torch.bfloat16).unbind(1)
+    cu_seqlens = torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32)
+    positions = torch.randint(0, 16, (256, 2), device="cuda", dtype=torch.int32)
+    fast = [_attention(q, k, v, cu_seqlens, positions) for _ in range(2)]
+    assert len(attention_launches) == 1
+    common.set_fast_launch(False)
+    torch.testing.assert_close(fast[1], _attention(q, k, v, cu_seqlens, positions), rtol=0, atol=0)
+    torch.testing.assert_close(fast[0], fast[1], rtol=0, atol=0)
