@@ -247,7 +247,7 @@ _fast_launch = os.environ.get("QVL_FAST_LAUNCH", "1") not in ("", "0")
 
 def set_fast_launch(enabled: bool) -> None:
     """Switch the fast launch path on or off (on by default; ``QVL_FAST_LAUNCH=0`` starts with it off). Off, every
-    launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m bench host``."""
+    launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m bench.bench_host``."""
     global _fast_launch
     _fast_launch = bool(enabled)
 
