@@ -18,6 +18,7 @@ from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") == "0", "bind with the interpreter off"
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compile_sm90's launch builders
 
 import torch  # noqa: E402
