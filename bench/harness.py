@@ -84,8 +84,9 @@ class Device:
         return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
 
     def peak(self, metric: str, dtype: torch.dtype) -> float | None:
-        """The ceiling a rate of ``metric`` ("flops" or "bytes") is measured against, in report units."""
-        if self.peaks is None:
+        """The ceiling a rate of ``metric`` ("flops" or "bytes"; none for "calls") is measured against, in report
+        units."""
+        if self.peaks is None or metric == "calls":
             return None
         if metric == "bytes":
             return self.peaks.copy_gbs
@@ -349,7 +350,8 @@ def check_then_time(
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
-METRICS = {"flops": ("TFLOP/s", 1e12), "bytes": ("GB/s", 1e9)}
+# "calls": host-time benchmarks (bench_host), whose work is one call.
+METRICS = {"flops": ("TFLOP/s", 1e12), "bytes": ("GB/s", 1e9), "calls": ("kcall/s", 1e3)}
 
 
 @dataclass

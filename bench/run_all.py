@@ -25,6 +25,7 @@ from . import (
     bench_attention,
     bench_attention_backward,
     bench_cpu,
+    bench_host,
     bench_merger,
     bench_pos_embed,
     bench_rotary,
@@ -42,6 +43,7 @@ MODULES = {
     "merger": bench_merger,
     "tower": bench_tower,
     "cpu": bench_cpu,  # the tower on the CPU (torch paths), whatever --device says
+    "host": bench_host,  # host time per call (CUDA only)
     "window": bench_window,  # last: device_check.sh shows the end of the log, and this is the open goal
 }
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -42,7 +43,11 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import CompiledKernel
+from triton.knobs import HookChain
+from triton.runtime.jit import JITFunction
 
 __all__ = [
     "ADA",
@@ -53,18 +58,24 @@ __all__ = [
     "INTERPRETER",
     "KernelLaunch",
     "backend_for",
+    "cached_config",
+    "cdiv",
     "check_dtype",
     "check_same_device",
     "check_tensor",
     "compile_launch",
     "device_guard",
     "device_target",
+    "fast_binder",
+    "fast_launch_enabled",
     "force_backend",
+    "next_power_of_2",
     "refuse_autograd",
     "route_autograd",
     "rows_16_byte_aligned",
     "runs_torch",
     "run_launches",
+    "set_fast_launch",
     "set_value_checks",
     "shared_memory_per_block",
     "strides_16_byte_aligned",
@@ -205,14 +216,210 @@ class KernelLaunch(NamedTuple):
     kwargs: dict[str, Any]
 
     def run(self) -> None:
-        self.kernel[self.grid](**self.args, **self.kwargs)
+        """Launch on the current device and stream (a CUDA launch through the fast path below, when it is on)."""
+        if _INTERPRETING or not _fast_launch:
+            self.kernel[self.grid](**self.args, **self.kwargs)
+        else:
+            _launch(self, torch.cuda.current_device())
 
 
 def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None:
     """Run ``launches`` in order, with ``device`` current (see :func:`device_guard`)."""
-    with device_guard(device):
+    if _INTERPRETING or not _fast_launch or device.type != "cuda":
+        with device_guard(device):
+            for launch in launches:
+                launch.run()
+        return
+    current = torch.cuda.current_device()
+    index = current if device.index is None else device.index
+    # Switching devices costs microseconds each way: only a launch on another GPU pays it.
+    with device_guard(device) if index != current else contextlib.nullcontext():
         for launch in launches:
-            launch.run()
+            _launch(launch, index)
+
+
+# Fast launches (issue 31): what Triton's ``JITFunction.run`` does per call (kwargs dicts, the generated binder,
+# a cache key stringified from the options, the globals check, launch metadata) costs tens of microseconds of
+# host time, more than the norms' and activations' kernels run. A launch whose specialization was launched before
+# calls the compiled kernel's launcher directly, with the arguments in the kernel's order, exactly as
+# ``JITFunction.run`` ends (and as ``CompiledKernel.__getitem__`` launches), in Triton 3.6 and 3.9 alike.
+_fast_launch = os.environ.get("QVL_FAST_LAUNCH", "1") not in ("", "0")
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Switch the fast launch path on or off (on by default; ``QVL_FAST_LAUNCH=0`` starts with it off). Off, every
+    launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m bench.bench_host``."""
+    global _fast_launch
+    _fast_launch = bool(enabled)
+
+
+def fast_launch_enabled() -> bool:
+    return _fast_launch
+
+
+class FastBinder:
+    """A kernel's specialization without Triton's binder, and what its fast launches keep.
+
+    ``bind(backend, **args, **kwargs)`` returns the kernel's arguments in its parameter order (constexprs included,
+    as its launcher takes them), Triton's specialization of them (the very list ``JITFunction.run``'s binder
+    computes: ``native_specialize_impl`` per argument with the parameter's flags, ``("constexpr", value)`` for
+    constexprs) and the remaining keywords (compile options). ``compiled`` maps a launch key (:func:`_launch`) to
+    the kernel Triton compiled for it, ``backends`` a device index to Triton's backend for that device, and
+    ``globals`` holds ``(namespace, name, object)`` for each global the kernel reads, as of the last launch Triton
+    checked them on.
+    """
+
+    __slots__ = ("bind", "compiled", "backends", "globals")
+
+    def __init__(self, bind: Any) -> None:
+        self.bind = bind
+        self.compiled: dict[tuple, CompiledKernel] = {}
+        self.backends: dict[int, Any] = {}
+        self.globals: tuple[tuple[dict, str, Any], ...] = ()
+
+
+def fast_binder(kernel: Any) -> FastBinder | None:
+    """``kernel``'s :class:`FastBinder`, made once; None for what it does not handle (an interpreted or autotuned
+    kernel, variadic or keyword-only parameters), which then always launches through ``kernel[grid]``."""
+    # Keyed by id: a JITFunction hashes its source hash behind a lock. The entry keeps the kernel alive, so its id
+    # is never reused.
+    entry = _fast_binders.get(id(kernel))
+    if entry is None:
+        entry = _fast_binders[id(kernel)] = (kernel, _make_fast_binder(kernel))
+    return entry[1]
+
+
+_fast_binders: dict[int, tuple[Any, FastBinder | None]] = {}
+
+
+def _make_fast_binder(kernel: Any) -> FastBinder | None:
+    if not isinstance(kernel, JITFunction):
+        return None
+    parameters = list(kernel.signature.parameters.values())
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters):
+        return None
+    # Each parameter's specialization, generated as create_function_from_signature generates it (3.6 and 3.9
+    # alike): annotated non-constexpr floats and bools are not specialized, other annotations replace the type.
+    specialization = []
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            specialization.append(f'("constexpr", {name})')
+            continue
+        call = (
+            f"specialize(backend, {name}, {param.is_const}, {not param.do_not_specialize}, "
+            f"{not param.do_not_specialize_on_alignment})"
+        )
+        annotation = param.annotation_type
+        if not annotation:
+            specialization.append(call)
+        elif isinstance(annotation, str) and (annotation == "u1" or annotation[:2] in ("fp", "bf")):
+            specialization.append(f'("{annotation}", None)')
+        else:
+            specialization.append(f'("{annotation}",) + {call}[1:]')
+    names = [p.name for p in parameters]
+    arguments = [n if p.default is inspect.Parameter.empty else f"{n}=default_{n}" for n, p in zip(names, parameters)]
+    source = (
+        f"def bind(backend, {', '.join(arguments + ['**options'])}):\n"
+        f"    return ({''.join(n + ', ' for n in names)}), ({''.join(s + ', ' for s in specialization)}), options\n"
+    )
+    namespace = {f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    namespace["specialize"] = native_specialize_impl
+    exec(source, namespace)
+    return FastBinder(namespace["bind"])
+
+
+def _launch(launch: KernelLaunch, device: int) -> None:
+    """Run ``launch`` on CUDA device ``device`` (the current one), on its current stream.
+
+    The key is what Triton keys its in-memory kernel cache on (the specialization, and the options with the knobs
+    ``JITFunction.run`` adds to them), plus the device. A launch whose key was seen before calls the compiled
+    kernel's launcher with its arguments; any other goes through ``kernel[grid](**args, **kwargs)``, which compiles
+    (or finds) the kernel and returns it for the next. So does a launch after a global the kernel reads was rebound
+    (Triton then raises if its value changed). What the direct call would skip sends every launch of the kernel down
+    that path: launch hooks (profilers), pre-run hooks, a callable grid, Triton 3.9's stage-inspection hook, and
+    unhashable options.
+    """
+    kernel, grid, args, kwargs = launch
+    binder = fast_binder(kernel)
+    runtime = triton.knobs.runtime
+    if (
+        binder is None
+        or _hooked(runtime.launch_enter_hook)
+        or _hooked(runtime.launch_exit_hook)
+        or getattr(runtime, "add_stages_inspection_hook", None) is not None
+        or kernel.pre_run_hooks
+        or callable(grid)
+    ):
+        kernel[grid](**args, **kwargs)
+        return
+    backend = binder.backends.get(device)
+    if backend is not None:
+        values, key = _launch_key(binder, backend, device, args, kwargs)
+        compiled = _cached(binder, key)
+        if compiled is not None and _globals_unchanged(binder):
+            compiled.run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                _current_stream(device),
+                compiled.function,
+                compiled.packed_metadata,
+                None,  # launch metadata and hooks: the launcher calls hooks that are not None
+                None,
+                None,
+                *values,
+            )
+            return
+    compiled = kernel[grid](**args, **kwargs)
+    # JITFunction.run has compared the kernel's globals with their values at compile time, and raised if they
+    # changed: the objects it found are the ones the next fast launches expect.
+    read = kernel.used_global_vals
+    binder.globals = tuple((namespace, name, namespace.get(name)) for (name, _), (_, namespace) in read.items())
+    if backend is None:
+        # JITFunction.run made the device's backend on this first launch.
+        backend = binder.backends[device] = kernel.device_caches[device][3]
+        values, key = _launch_key(binder, backend, device, args, kwargs)
+    # Triton 3.6 may compile asynchronously; only a finished kernel is kept. An unhashable key (an option that
+    # Triton only stringifies) is never kept.
+    if isinstance(compiled, CompiledKernel):
+        with contextlib.suppress(TypeError):
+            binder.compiled[key] = compiled
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook knob holds a hook: Triton 3.6 and 3.9 keep an empty ``HookChain`` there."""
+    return hook is not None and not (isinstance(hook, HookChain) and not hook.calls)
+
+
+def _globals_unchanged(binder: FastBinder) -> bool:
+    for namespace, name, value in binder.globals:
+        if namespace.get(name) is not value:
+            return False
+    return True
+
+
+def _launch_key(binder: FastBinder, backend: Any, device: int, args: dict, kwargs: dict) -> tuple[tuple, tuple]:
+    values, specialization, options = binder.bind(backend, **args, **kwargs)
+    compilation = triton.knobs.compilation
+    knobs = (
+        triton.knobs.runtime.debug,
+        compilation.instrumentation_mode,
+        getattr(compilation, "fpsan_homomorphic_casts", None),  # Triton 3.9's, absent from 3.6
+    )
+    return values, (device, specialization, *options.items(), *knobs)
+
+
+def _cached(binder: FastBinder, key: tuple) -> Any:
+    try:
+        return binder.compiled.get(key)
+    except TypeError:
+        return None
+
+
+def _current_stream(device: int) -> int:
+    # The function JITFunction.run asks for the stream (torch's current raw stream where torch is loaded).
+    return triton.runtime.driver.active.get_current_stream(device)
 
 
 def compile_launch(launch: KernelLaunch, target: GPUTarget) -> Any:
@@ -262,11 +469,38 @@ def rows_16_byte_aligned(*tensors: torch.Tensor) -> bool:
     )
 
 
+# Bounded: token counts, and so shapes, change from call to call.
+@functools.lru_cache(maxsize=1024)
 def strides_16_byte_aligned(shape: Sequence[int], strides: Sequence[int], element_size: int) -> bool:
-    """Whether every stride but the last of a tensor of ``shape`` is a multiple of 16 bytes. Dims of size 1 are
-    never stepped, so their strides do not count."""
+    """Whether every stride but the last of a tensor of ``shape`` is a multiple of 16 bytes (hashable ``shape`` and
+    ``strides``). Dims of size 1 are never stepped, so their strides do not count."""
     elements = 16 // element_size
     return not any(size > 1 and stride % elements for size, stride in zip(shape[:-1], strides[:-1]))
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's grids: ``triton.cdiv`` is a constexpr function, whose wrapper costs
+    microseconds a call outside a kernel."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (0 for 0), as ``triton.next_power_of_2`` computes it, without its
+    constexpr-function wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cached_config(config: Any) -> Any:
+    """Cache a launch-configuration function of hashable arguments (sizes, flags, the target): each call returns a
+    new dict (callers add to it and pop from it), copied from the one computed on the first call with those
+    arguments. Cache only functions of arguments that take few values (a row width, not a token count)."""
+    cached = functools.cache(config)
+
+    @functools.wraps(config)
+    def copied(*args: Any) -> dict:
+        return dict(cached(*args))
+
+    return copied
 
 
 def check_tensor(
@@ -335,15 +569,19 @@ def route_autograd(op: str, under_grad) -> None:
     as the custom op's own no-grad path does (inference is unchanged, eager or compiled).
 
     The dispatcher prefers these per-backend keys to the custom op's ``Autograd`` registration, and they still
-    see the caller's grad mode (the op body runs under the autograd function's no-grad). The check reads Python
-    attributes only.
+    see the caller's grad mode (the op body runs under the autograd function's no-grad). This kernel runs on every
+    call that is not in inference mode (which leaves the autograd keys out), so it is kept to two C calls: the check
+    torch's own custom-op autograd kernel makes (any tensor argument, or tensor in a list argument, requiring
+    grad) and the redispatch ``OpOverload.redispatch`` makes.
     """
-    overload = getattr(torch.ops.qvl, op).default
+    redispatch = getattr(torch.ops.qvl, op).default._handle.redispatch_boxed
+    below_autograd = torch._C._after_autograd_keyset
+    any_requires_grad = torch._C._any_requires_grad
 
     def route(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if torch.is_grad_enabled() and any_requires_grad(*args):
             return under_grad(*args)
-        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        return redispatch(keyset & below_autograd, *args)
 
     for key in ("AutogradCPU", "AutogradCUDA"):
         _AUTOGRAD_KEYS.impl(op, route, key, with_keyset=True)

@@ -26,6 +26,8 @@ from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
     backend_for,
+    cached_config,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
@@ -156,6 +158,7 @@ def _bias_gelu_backward_kernel(
     tl.store(Partials + pid.to(tl.int64) * num_cols + cols, dbias, mask=mask_n)
 
 
+@cached_config
 def launch_config(num_cols: int, approximate: str, target: GPUTarget) -> dict:
     """Everything the bias + GELU launch passes besides tensors and scalars, for rows of ``num_cols`` and
     the GELU ``approximate`` on ``target``: :func:`~qvl.kernels.tiles.row_tiles` and the approximation. Every
@@ -171,7 +174,7 @@ def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[
         return []
     config = launch_config(num_cols, approximate, target)
     # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
-    grid = (triton.cdiv(num_rows, config["BLOCK_M"]), triton.cdiv(num_cols, config["BLOCK_N"]))
+    grid = (cdiv(num_rows, config["BLOCK_M"]), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(X=x, Bias=bias, Y=y, num_rows=num_rows, num_cols=num_cols, stride_xm=x.stride(0), stride_ym=y.stride(0))
     return [KernelLaunch(_bias_gelu_kernel, grid, args, config)]
 
@@ -185,7 +188,7 @@ def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximat
     if x.numel() == 0:
         return []
     config = epilogue_backward_config(num_rows, num_cols, target)
-    grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
+    grid = (config.pop("programs"), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(
         # pointers
         X=x,

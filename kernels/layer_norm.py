@@ -35,9 +35,12 @@ from .common import (
     FMA_CONTRACTION,
     KernelLaunch,
     backend_for,
+    cached_config,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
+    next_power_of_2,
     run_launches,
     runs_torch,
 )
@@ -203,12 +206,13 @@ def _norm_backward_kernel(
         tl.store(partial + stride_pk, dbias, mask=mask_c)
 
 
+@cached_config
 def launch_config(num_cols: int, has_delta: bool, target: GPUTarget) -> dict:
     """Everything the norm launch passes besides tensors and scalars, for rows of ``num_cols`` (with the
     residual add when ``has_delta``) on ``target``. Every target gets the same values (the interpreter
     ignores warps and options). RMSNorm (:mod:`qvl.kernels.rms_norm`) launches with the same values: its
     programs hold the same whole fp32 rows."""
-    block_c = triton.next_power_of_2(num_cols)
+    block_c = next_power_of_2(num_cols)
     # At least 4096 values per program, so narrow rows still give each thread enough loads in flight;
     # warps grow with wider rows to keep about 32 fp32 values per thread (MAX_NORM_DIM over 16 warps).
     block_m = max(1, 4096 // block_c)
@@ -227,7 +231,7 @@ def norm_launches(
         return []
     has_delta = delta is not None
     config = launch_config(num_cols, has_delta, target)
-    grid = (triton.cdiv(num_rows, config["BLOCK_M"]),)
+    grid = (cdiv(num_rows, config["BLOCK_M"]),)
     args = dict(
         # pointers (Delta and Sum are x where there is no residual add; Bias is the weight for RMSNorm)
         X=x,

@@ -31,9 +31,12 @@ from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
     backend_for,
+    cached_config,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
+    next_power_of_2,
     refuse_autograd,
     run_launches,
     runs_torch,
@@ -232,11 +235,12 @@ def _check_add_args(op: str, hidden_states, pos_embed, interp_indices, interp_we
     check_same_device(op, {"pos_embed": pos_embed, "hidden_states": hidden_states})
 
 
+@cached_config
 def launch_config(channels: int, target: GPUTarget) -> dict:
     """Everything the interpolation launch passes besides tensors, scalars and the add flag, for ``channels``
     on ``target``: up to 128 channels and about 4096 values per program, and compile options. Every target
     gets the same values (the interpreter ignores warps and options)."""
-    block_c = min(128, triton.next_power_of_2(channels))
+    block_c = min(128, next_power_of_2(channels))
     # No fused multiply-add: each product is rounded before it is summed, as torch's separate multiply and sum
     # do, so the result matches transformers bit for bit.
     return dict(
@@ -253,7 +257,7 @@ def pos_embed_interp_launches(
     if num_tokens == 0 or channels == 0:
         return []
     config = launch_config(channels, target)
-    grid = (triton.cdiv(num_tokens, config["BLOCK_T"]), triton.cdiv(channels, config["BLOCK_C"]))
+    grid = (cdiv(num_tokens, config["BLOCK_T"]), cdiv(channels, config["BLOCK_C"]))
     args = dict(
         # pointers
         Table=pos_embed,
@@ -283,7 +287,7 @@ def pos_embed_interp_backward_launches(grad_out, order, run_starts, interp_weigh
     if num_rows == 0 or channels == 0:
         return []
     config = launch_config(channels, target)
-    grid = (num_rows, triton.cdiv(channels, config["BLOCK_C"]))
+    grid = (num_rows, cdiv(channels, config["BLOCK_C"]))
     args = dict(
         # pointers
         GradOut=grad_out,

@@ -31,9 +31,12 @@ from .common import (
     FMA_CONTRACTION,
     KernelLaunch,
     backend_for,
+    cached_config,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
+    next_power_of_2,
     refuse_autograd,
     rows_16_byte_aligned,
     run_launches,
@@ -301,12 +304,13 @@ def _check_rotary_args(op: str, q, k, positions, rope_theta, read_values: bool =
     check_positions(op, positions, q.shape[0], q.device, read_values)
 
 
+@cached_config
 def launch_config(head_dim: int, target: GPUTarget) -> dict:
     """Everything the rotary launch passes besides tensors, scalars and per-call flags (q rotated too,
     aligned strides) for ``head_dim`` on ``target``: the whole head in one tile, tokens per program for
     about 4096 values, and compile options. Every target gets the same values (the interpreter ignores
     warps and options)."""
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     return dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=max(1, min(64, 4096 // block_d)), num_warps=4, **FMA_CONTRACTION
     )
@@ -335,7 +339,7 @@ def rotary_launches(
     rotate_q = q is not None
     q, q_out = (q, q_out) if rotate_q else (k, k_out)
     config = launch_config(head_dim, target)
-    grid = (triton.cdiv(num_tokens, config["BLOCK_T"]),)
+    grid = (cdiv(num_tokens, config["BLOCK_T"]),)
     args = dict(
         # pointers
         Q=q,

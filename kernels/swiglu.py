@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
@@ -155,7 +156,7 @@ def bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target: GPUTarget) -> 
         return []
     config = launch_config(num_cols, target)
     # Row blocks on grid axis 0 (up to 2**31 - 1); axis 1 (column blocks) is capped at 65535.
-    grid = (triton.cdiv(num_rows, config["BLOCK_M"]), triton.cdiv(num_cols, config["BLOCK_N"]))
+    grid = (cdiv(num_rows, config["BLOCK_M"]), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(
         # pointers
         Gate=gate,
@@ -186,7 +187,7 @@ def bias_swiglu_backward_launches(
     if gate.numel() == 0:
         return []
     config = epilogue_backward_config(num_rows, num_cols, target)
-    grid = (config.pop("programs"), triton.cdiv(num_cols, config["BLOCK_N"]))
+    grid = (config.pop("programs"), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(
         # pointers
         Gate=gate,

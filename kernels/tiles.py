@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .common import FMA_CONTRACTION, KernelLaunch
+from .common import FMA_CONTRACTION, KernelLaunch, cached_config, cdiv, next_power_of_2
 
 __all__ = [
     "LOG2E",
@@ -60,10 +60,11 @@ def times_sigmoid(v, z):
     return v / (1.0 + tl.exp2(z * (-LOG2E)))
 
 
+@cached_config
 def row_tiles(num_cols: int) -> dict:
     """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
     4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
-    block_n = min(1024, triton.next_power_of_2(num_cols))
+    block_n = min(1024, next_power_of_2(num_cols))
     return dict(BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4, **FMA_CONTRACTION)
 
 
@@ -80,7 +81,7 @@ def row_split(num_rows: int, block_m: int) -> tuple[int, int]:
     (one block when a block is taller). A pure function of the shape, so the partial sums, and the gradients,
     come out bit-identical from run to run."""
     blocks_per_program = max(1, PARTIAL_ROWS // block_m)
-    return triton.cdiv(triton.cdiv(num_rows, block_m), blocks_per_program), blocks_per_program
+    return cdiv(cdiv(num_rows, block_m), blocks_per_program), blocks_per_program
 
 
 def epilogue_backward_config(num_rows: int, num_cols: int, target: GPUTarget) -> dict:
@@ -124,8 +125,8 @@ def sum_partials_launch(partials: torch.Tensor, outs: tuple[torch.Tensor, ...]) 
     """The launch reducing fp32 ``partials`` ``(K, P, C)`` (contiguous, K = len(outs), 1 or 2) over P into
     ``outs[k]`` (contiguous ``(C,)``, any float dtype, rounded once). Mutates ``outs`` only."""
     num_outs, num_partials, num_cols = partials.shape
-    block_c = min(64, triton.next_power_of_2(num_cols))
-    grid = (triton.cdiv(num_cols, block_c), num_outs)
+    block_c = min(64, next_power_of_2(num_cols))
+    grid = (cdiv(num_cols, block_c), num_outs)
     args = dict(
         Partials=partials,
         Out0=outs[0],

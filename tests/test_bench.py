@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # bench/ is a plain directory run from the repository root, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,6 +18,7 @@ from bench import (  # noqa: E402
     bench_attention,
     bench_attention_backward,
     bench_cpu,
+    bench_host,
     bench_merger,
     bench_pos_embed,
     bench_rotary,
@@ -282,6 +284,7 @@ def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> No
         "merger",
         "tower",
         "cpu",
+        "host",
         "window",
     ]
     assert run_all.parse_args(["--only", "tower, pos_embed"]).names == ["tower", "pos_embed"]
@@ -298,3 +301,26 @@ def test_run_all_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert "=== all results" in out
     check_table_last(out, label(bench_pos_embed.cases(CPU, quick=True)[-1]), "hf gather+add")
+
+
+def test_host_parses_its_arguments_and_needs_cuda(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = harness.parse_args(bench_host.__doc__, ["--device", "cpu", "--dtype", "fp16"])
+    assert config.device == CPU and config.quick and config.dtype == torch.float16
+    data, out = run_cpu(bench_host, tmp_path, capsys)
+    assert data["bench"] == "host" and data["metric"] == "calls" and data["baselines"] == ["torch"]
+    assert data["records"] == [] and data["skipped"] == {"all": bench_host.CUDA_NEEDED}
+    assert bench_host.CUDA_NEEDED in out
+
+
+def test_host_cases_call_each_op_and_its_torch_equivalent() -> None:
+    """Every case's arguments fit its op (run here on the torch path), its op's Python body, and torch's call."""
+    cases = bench_host.cases(CPU, torch.bfloat16)
+    assert set(cases) == {
+        "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "bias_swiglu", "rotary_2d",
+        "pos_embed_interp_add_", "vision_attn",
+    }  # fmt: skip
+    with harness.qvl_path(CPU):
+        for name, (args, torch_call) in cases.items():
+            getattr(torch.ops.qvl, name)(*args)
+            bench_host.body(name)(*args)
+            torch_call()
