@@ -90,6 +90,6 @@ if [ "$mode" = "--attention" ]; then
     --skip flex_attention 2>&1 | tee "$out/bench.log" | tail -60
 else
   timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \
-    --only attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
+    --only host,attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
 fi
 phase done
