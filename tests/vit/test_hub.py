@@ -19,22 +19,14 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_cli import TINY_CONFIG
 
 from qvl.kernels import force_backend
-from qvl.vit import VisionConfig, VisionTransformer, cli
+from qvl.vit import VisionTransformer, cli
 from qvl.vit.hub import resolve_model
 
 REPO_ID = "acme/tiny-vl"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-TINY_CONFIG = VisionConfig(
-    depth=2,
-    hidden_size=64,
-    num_heads=2,
-    intermediate_size=128,
-    out_hidden_size=96,
-    deepstack_visual_indexes=(0,),
-    num_position_embeddings=64,
-)
 TEXT_SHARD = "model-00001-of-00002.safetensors"
 VISION_SHARD = "model-00002-of-00002.safetensors"
 
