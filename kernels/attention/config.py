@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,6 +50,7 @@ __all__ = [
     "tile_key",
     "tile_table",
     "tma_capable",
+    "wide_token_offsets",
 ]
 
 MAX_HEAD_DIM = 256
@@ -258,7 +260,12 @@ def segment_search_steps(num_segments: int) -> int:
 
 def needs_wide_offsets(num_tokens: int, *tensors: torch.Tensor | None) -> bool:
     """Whether a token offset inside the batch (at most T * token stride) can pass int32."""
-    return any(t is not None and num_tokens * t.stride(0) >= 2**31 for t in tensors)
+    return wide_token_offsets(num_tokens, [t.stride(0) for t in tensors if t is not None])
+
+
+def wide_token_offsets(num_tokens: int, token_strides: Sequence[int]) -> bool:
+    """Whether ``num_tokens`` times any of ``token_strides`` (elements) can pass int32."""
+    return any(num_tokens * stride >= 2**31 for stride in token_strides)
 
 
 def kv_descriptors(x: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -312,10 +319,10 @@ def attention_plan(
     max_seqlen = SHORT_SEGMENT_MAX if segment_class_name == "short" else None
     config = {**launch_config(head_dim, dtype, target, max_seqlen), **dict(tiles)}
     config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
-    widest = max(x[0] for x in (q_strides, k_strides, v_strides, out_strides, (head_dim,) if rotate_q else (0,)))
+    token_strides = [x[0] for x in strides] + ([head_dim] if rotate_q else [])  # the cos/sin table's rows too
     flags = dict(
         ROTATE_Q=rotate_q,
-        WIDE_OFFSETS=num_tokens * widest >= 2**31,
+        WIDE_OFFSETS=wide_token_offsets(num_tokens, token_strides),
         STRIDES_ALIGNED=all(rows_aligned),
         STORE_LSE=store_lse,
     )
@@ -361,5 +368,9 @@ def descriptor_of(template: TensorDescriptor, x: torch.Tensor) -> TensorDescript
 def reload_tile_table() -> None:
     """Forget the tile table read so far and every plan made from it: the next launch reads the table file again
     (after ``bench/tune_attention.py`` rewrote it, or a test patched :func:`tile_table` or :func:`launch_config`)."""
-    tile_table.cache_clear()
-    attention_plan.cache_clear()
+    for cached in _CACHES:
+        cached.cache_clear()
+
+
+# The cached functions themselves (a test may shadow the module's names with stand-ins while it runs).
+_CACHES = (tile_table, attention_plan)

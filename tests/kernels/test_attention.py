@@ -350,9 +350,9 @@ def test_bf16_on_gpu(head_dim):
     assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
 
 
-def test_wide_offset_variant(monkeypatch):
+def test_wide_offset_variant(monkeypatch, fresh_attention_plans):
     """The 64-bit in-batch offsets taken when T * stride can pass 2**31 compute the same result."""
-    from qvl.kernels.attention import config, forward
+    from qvl.kernels.attention import config
 
     assert config.needs_wide_offsets(700_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
     assert not config.needs_wide_offsets(100_000, torch.empty(0, 3 * 16 * 72).view(0, 3, 16, 72)[:, 0])
@@ -361,6 +361,7 @@ def test_wide_offset_variant(monkeypatch):
     cu = cu_seqlens_of(lengths)
     positions = torch.randint(0, 30, (sum(lengths), 2), dtype=torch.int32)
     narrow = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
-    monkeypatch.setattr(forward, "needs_wide_offsets", lambda *args: True)
+    monkeypatch.setattr(config, "wide_token_offsets", lambda *args: True)
+    config.reload_tile_table()
     wide = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
     assert torch.equal(narrow, wide)

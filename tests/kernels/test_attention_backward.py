@@ -195,12 +195,13 @@ def test_expanded_output_gradient():
     assert_gradients_close_to_float64([x.grad for x in leaves], q, k, v, cu, ones)
 
 
-def test_wide_offset_variant(monkeypatch):
+def test_wide_offset_variant(monkeypatch, fresh_attention_plans):
     """The 64-bit in-batch offsets taken when T * stride can pass 2**31 give the same gradients."""
     q, k, v, cu, grad_out, positions = inputs([70, 0, 33], 2, 72, torch.float16, 21, True)
     narrow = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
-    for module in (attention.forward, attention.backward):
-        monkeypatch.setattr(module, "needs_wide_offsets", lambda *args: True)
+    monkeypatch.setattr(attention.config, "wide_token_offsets", lambda *args: True)
+    monkeypatch.setattr(attention.backward, "needs_wide_offsets", lambda *args: True)
+    attention.reload_tile_table()
     wide = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
     for a, b in zip(narrow, wide):
         assert torch.equal(a, b)

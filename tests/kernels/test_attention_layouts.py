@@ -105,14 +105,15 @@ def test_every_layout_against_float64(layout, head_dim, dtype, aligned, rope):
 
 @pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("layout, head_dim, dtype", ALIGNED_CASES)
-def test_aligned_layouts_give_the_plain_path_result(layout, head_dim, dtype, rope, monkeypatch):
+def test_aligned_layouts_give_the_plain_path_result(layout, head_dim, dtype, rope, monkeypatch, fresh_attention_plans):
     """The provably aligned strides are the same strides: forcing the plain path changes no bit."""
     q, k, v = layout(head_dim, dtype, seed=head_dim + rope)
     positions = positions_for(rope)
     assert all(attention_flags(q, k, v, positions))
     aligned = torch.ops.qvl.vision_attn(q, k, v, CU_SEQLENS, positions=positions)
-    monkeypatch.setattr(attention.forward, "rows_16_byte_aligned", lambda *tensors: False)
+    monkeypatch.setattr(attention.config, "strides_16_byte_aligned", lambda *args: False)
     monkeypatch.setattr(rotary, "rows_16_byte_aligned", lambda *tensors: False)
+    attention.reload_tile_table()
     assert not any(attention_flags(q, k, v, positions))
     plain = torch.ops.qvl.vision_attn(q, k, v, CU_SEQLENS, positions=positions)
     assert torch.equal(aligned, plain)
