@@ -53,6 +53,7 @@ __all__ = [
     "rope_apply",
     "rope_cos_sin",
     "rope_dim_tables",
+    "rope_pairs",
     "rope_inv_freq",
     "rotary_2d",
     "rotary_2d_",
@@ -80,9 +81,16 @@ def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
     from_col = in_half >= quarter
     freq_index = tl.where(from_col, in_half - quarter, in_half)
     inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
-    partner = (offs_d + half) % HEAD_DIM
-    sign = tl.where(offs_d < half, -1.0, 1.0)
+    partner, sign = rope_pairs(offs_d, HEAD_DIM)
     return inv_freq, from_col, partner, sign
+
+
+@triton.jit
+def rope_pairs(offs_d, HEAD_DIM: tl.constexpr):
+    """NeoX rotate-half pairing of the dims ``offs_d``: (partner dim ``(d + D/2) % D``, sign fp32), so that dim d
+    rotates as ``x[d] * cos + sign * x[partner] * sin`` with the angle of ``d % (D/2)``."""
+    half: tl.constexpr = HEAD_DIM // 2
+    return (offs_d + half) % HEAD_DIM, tl.where(offs_d < half, -1.0, 1.0)
 
 
 @triton.jit

@@ -17,9 +17,11 @@ from triton.backends.compiler import GPUTarget
 from ..common import (
     FMA_CONTRACTION,
     KernelLaunch,
+    cdiv,
     check_same_device,
     check_tensor,
     device_target,
+    next_power_of_2,
     route_autograd,
     rows_16_byte_aligned,
     run_launches,
@@ -549,7 +551,7 @@ def vision_attn_backward_launches(
         q, k = q_rotated, k_rotated
 
     delta = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_t = max(1, min(64, 4096 // block_d))
     delta_args = dict(
         Out=out,
@@ -563,7 +565,7 @@ def vision_attn_backward_launches(
     )
     delta_config = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4, **FMA_CONTRACTION)
     launches.append(
-        KernelLaunch(_attn_bwd_delta_kernel, (triton.cdiv(num_tokens, block_t), num_heads), delta_args, delta_config)
+        KernelLaunch(_attn_bwd_delta_kernel, (cdiv(num_tokens, block_t), num_heads), delta_args, delta_config)
     )
 
     configs = backward_launch_config(head_dim, q.dtype, max_seqlen)

@@ -20,11 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import triton
 from triton.backends.compiler import GPUTarget
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import FMA_CONTRACTION, shared_memory_per_block, strides_16_byte_aligned
+from ..common import FMA_CONTRACTION, next_power_of_2, shared_memory_per_block, strides_16_byte_aligned
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -90,11 +89,11 @@ def head_dim_tiles(head_dim: int) -> HeadDimTiles:
     Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/.)"""
     if head_dim <= 16:
         return HeadDimTiles(16, 0)
-    main = triton.next_power_of_2(head_dim)
+    main = next_power_of_2(head_dim)
     if main == head_dim:
         return HeadDimTiles(main, 0)
     main //= 2
-    tail = max(16, triton.next_power_of_2(head_dim - main))
+    tail = max(16, next_power_of_2(head_dim - main))
     if tail >= main:
         return HeadDimTiles(2 * main, 0)
     return HeadDimTiles(main, tail)

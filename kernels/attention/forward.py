@@ -31,6 +31,7 @@ from ..rotary import (
     check_rope_head_dim,
     check_rope_theta,
     rope_apply,
+    rope_pairs,
     rotary_2d_reference,
     rotary_2d_torch,
     rotary_launches,
@@ -120,10 +121,8 @@ def _load_q(
     x = load_rows(base, rows, stride_t, cols, row_mask, HEAD_DIM, True, MASK_COLS)
     if ROTATE:
         half: tl.constexpr = HEAD_DIM // 2
-        # NeoX rotate-half: column d pairs with d + D/2 (mod D) and both turn by the angle of d mod D/2.
-        partner = (cols + half) % HEAD_DIM
+        partner, sign = rope_pairs(cols, HEAD_DIM)
         angle = cols % half
-        sign = tl.where(cols < half, -1.0, 1.0)
         x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True, MASK_COLS)
         cos = load_rows(CosSin, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
         sin = load_rows(CosSin + half, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
