@@ -182,11 +182,12 @@ def sglang_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False
 
     model = sglang_model_of(reference, dtype)
     if qvl_route:
-        from qvl.vit import sglang_plugin, sglang_tower
+        from qvl.vit import sglang_plugin
+        from qvl.vit.engine_tower import EngineTowerForward
 
         with cpu_path.forced_routes(True):
             done = sglang_plugin.apply(model, reference.config)
-        if done["tower"] != "qvl" or not isinstance(model.visual.forward, sglang_tower.QvlTowerForward):
+        if done["tower"] != "qvl" or not isinstance(model.visual.forward, EngineTowerForward):
             raise harness.Unavailable(f"qvl's tower route did not attach to SGLang's tower: {done}")
     width = reference.config.out_hidden_size
     return lambda pixels, grid: model.visual(pixels, grid_thw=grid)[:, :width]

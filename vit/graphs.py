@@ -1,4 +1,5 @@
-"""Token-budget CUDA graphs of a tower's device forward (:meth:`qvl.vit.model.TowerBase.capture`).
+"""Token-budget CUDA graphs of a tower's device forward (:meth:`qvl.vit.runner.TowerRunner.capture`, behind
+:meth:`qvl.vit.model.TowerBase.capture`, ``patch_model(..., token_budgets=...)`` and the engines' tower routes).
 
 A CUDA graph replays fixed kernels on fixed buffers, so every tensor the device forward reads must have a shape
 that does not depend on the batch. A batch of T tokens is padded on the host to exactly ``budget`` tokens:
@@ -9,6 +10,7 @@ that does not depend on the batch. A batch of T tokens is padded on the host to 
   only and never reach a real token, since attention is per segment and every other op is per token or per
   merge block (the pad is whole merge blocks). Pad frames hold at most :data:`PAD_FRAME_UNITS` merge blocks
   while the segment slots allow, so the pad's attention costs a few tiles per frame, not ``(budget - T)**2``;
+* the attention's tile hint is the budget (no segment of a padded batch is longer);
 * the segment offsets (``cu_seqlens``; Qwen2.5-VL's ``cu_window_seqlens``) are extended to a fixed number of
   slots by repeating their last offset (zero-length segments, which every op allows);
 * the pixel values of the pad tokens are zeros.
@@ -31,14 +33,30 @@ import numpy as np
 import torch
 
 from .layers import needs_grad
-from .metadata import check_grid, grid_as_numpy
-from .runner import DeviceInputs
+from .metadata import DeviceInputs, check_grid, grid_as_numpy
 
-__all__ = ["PAD_FRAME_UNITS", "PaddedBatch", "TowerGraphs", "check_budgets", "pad_batch", "pad_grid", "pad_pixels"]
+__all__ = [
+    "PAD_FRAME_UNITS",
+    "SMALL_FRAME_SLOTS",
+    "PaddedBatch",
+    "TowerGraphs",
+    "check_budgets",
+    "pad_batch",
+    "pad_grid",
+    "pad_offsets",
+    "pad_pixels",
+    "segment_slots",
+]
 
 # The most merge blocks one pad frame holds while segment slots are free: 64 tokens at merge size 2, one
 # attention tile, so the pad's attention work grows linearly with the pad.
 PAD_FRAME_UNITS = 16
+# Segment slots a budget has by default beyond one per PAD_FRAME_UNITS merge blocks: room for that many frames
+# smaller than a pad frame. Every slot is one program per head in each attention launch (a zero-length segment's
+# program still searches the offsets), so the default stays near the budget's own tile count rather than at the
+# most frames a budget could hold (one per merge block), which made a replayed 16,384-token batch launch ~4,100
+# programs per head where ~130 do the work.
+SMALL_FRAME_SLOTS = 16
 # Eager runs before a capture: the first compiles (torch.compile, Triton) and settles the caching allocator.
 _WARMUP_RUNS = 2
 
@@ -83,9 +101,14 @@ def check_budgets(
 def segment_slots(budget: int, spatial_merge_size: int, max_segments: int | None) -> int:
     """The segments (frames, pad frames included) a padded batch of ``budget`` tokens may hold: ``max_segments``,
     capped at ``budget // spatial_merge_size**2``, the most any such batch has (every frame holds at least one
-    merge block), which is also the default."""
+    merge block). The default (None): one slot per :data:`PAD_FRAME_UNITS` merge blocks plus
+    :data:`SMALL_FRAME_SLOTS`, under the same cap: every batch whose frames hold at least ``PAD_FRAME_UNITS``
+    merge blocks each (64 tokens at merge size 2; Qwen3-VL's processors make none smaller) fits with its pad
+    frames, and so do up to ``SMALL_FRAME_SLOTS`` smaller ones."""
     most = budget // spatial_merge_size**2
-    return most if max_segments is None else min(max_segments, most)
+    if max_segments is None:
+        return min(most, most // PAD_FRAME_UNITS + SMALL_FRAME_SLOTS)
+    return min(max_segments, most)
 
 
 def pad_grid(grid: np.ndarray, budget: int, spatial_merge_size: int, num_segments: int) -> np.ndarray | None:
@@ -114,7 +137,7 @@ def pad_grid(grid: np.ndarray, budget: int, spatial_merge_size: int, num_segment
     return np.concatenate([grid, np.array([row for row in pad if row[0]], dtype=np.int64)])
 
 
-def _pad_offsets(offsets: torch.Tensor, length: int) -> torch.Tensor:
+def pad_offsets(offsets: torch.Tensor, length: int) -> torch.Tensor:
     """``offsets`` ``(S + 1,)`` extended to ``(length,)`` by repeating its last value (zero-length segments),
     on its own device and without reading its values (no sync)."""
     return torch.cat([offsets, offsets[-1:].expand(length - offsets.shape[0])])
@@ -140,27 +163,35 @@ class PaddedBatch:
     num_tokens: int
     num_merged_tokens: int
 
-    def real_outputs(self, merged: torch.Tensor, deepstack: Sequence[torch.Tensor]):
-        """``(merged, deepstack)`` of the padded batch cut to the real batch's rows (views)."""
+    def inputs(self) -> DeviceInputs:
+        """The device forward's inputs: ``meta``'s tensors, the budget as the tile hint (every batch of the
+        budget replays the graph captured with it, and none has a longer segment)."""
+        return DeviceInputs.of(self.meta)._replace(max_seqlen=self.budget)
+
+    def real_outputs(self, outputs):
+        """The padded batch's :class:`~qvl.vit.runner.TowerOutputs` cut to the real batch's rows (views; the pad
+        frames come last in every output's token order, window order included)."""
         rows = self.num_merged_tokens
-        return merged[:rows], [features[:rows] for features in deepstack]
+        last = outputs.last_hidden_state
+        merged = outputs.merged[:rows]
+        return type(outputs)(last[: self.num_tokens], merged, [features[:rows] for features in outputs.deepstack])
 
 
-def pad_batch(tower, grid_thw, budget: int, max_segments: int | None = None) -> PaddedBatch | None:
-    """Pad one batch of ``tower`` (a :class:`~qvl.vit.model.TowerBase`) to ``budget`` tokens on the host.
+def pad_batch(runner, grid_thw, budget: int, max_segments: int | None = None) -> PaddedBatch | None:
+    """Pad one batch to ``budget`` tokens on the host.
 
     Args:
-        tower: supplies ``config.spatial_merge_size`` and builds the metadata (``tower.metadata``, on its device).
+        runner: the tower's :class:`~qvl.vit.runner.TowerRunner` (or a tower): supplies
+            ``config.spatial_merge_size`` and builds the metadata (``metadata(grid)``, on its device).
         grid_thw: the batch's ``(N, 3)`` (t, h, w), any of :func:`~qvl.vit.build_metadata`'s forms (checked).
         budget: tokens of the padded batch, a multiple of ``spatial_merge_size**2``.
-        max_segments: the segment slots (real and pad frames); None (the default) gives the most a batch of
-            ``budget`` tokens can have, ``budget // spatial_merge_size**2``.
+        max_segments: the segment slots (real and pad frames); None: :func:`segment_slots`' default.
 
     Returns a :class:`PaddedBatch`, or None when the batch does not fit. Pair it with :func:`pad_pixels`; the
-    tower's device forward on both (``tower._run_device(pixels, DeviceInputs.of(batch.meta))``) gives the
-    unpadded batch's outputs in its first ``num_merged_tokens`` rows.
+    runner's device forward on both (``runner.run_device(pixels, batch.inputs())``) gives the unpadded batch's
+    outputs in its first rows (:meth:`PaddedBatch.real_outputs`).
     """
-    merge = tower.config.spatial_merge_size
+    merge = runner.config.spatial_merge_size
     budget = _check_budget("pad_batch", "budget", budget, merge)
     if max_segments is not None:
         _check_int("pad_batch", "max_segments", max_segments)
@@ -170,11 +201,11 @@ def pad_batch(tower, grid_thw, budget: int, max_segments: int | None = None) -> 
     padded = pad_grid(grid, budget, merge, slots)
     if padded is None:
         return None
-    meta = tower.metadata(padded)
-    meta = dataclasses.replace(meta, cu_seqlens=_pad_offsets(meta.cu_seqlens, slots + 1))
+    meta = runner.metadata(padded)
+    meta = dataclasses.replace(meta, cu_seqlens=pad_offsets(meta.cu_seqlens, slots + 1))
     window = meta.window
     if window is not None:
-        offsets = _pad_offsets(window.cu_window_seqlens, budget // merge**2 + 1)
+        offsets = pad_offsets(window.cu_window_seqlens, budget // merge**2 + 1)
         meta = dataclasses.replace(meta, window=dataclasses.replace(window, cu_window_seqlens=offsets))
     tokens = int(np.prod(grid, axis=1).sum())
     return PaddedBatch(budget, padded, meta, tokens, tokens // merge**2)
@@ -196,65 +227,63 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     pixels: torch.Tensor
     inputs: DeviceInputs
-    outputs: tuple[torch.Tensor, list[torch.Tensor]]
+    outputs: object  # the runner's TowerOutputs
 
 
 class TowerGraphs:
-    """A tower's token budgets and, on CUDA, one captured graph per budget (:meth:`TowerBase.capture`).
+    """A runner's token budgets and, on CUDA, one captured graph per budget (:meth:`TowerRunner.capture`).
 
     Capturing runs the device forward on an all-pad batch of each budget, largest first, into one shared memory
-    pool (the graphs never run at the same time, and replays copy their outputs out). The tower is not kept:
-    every method takes it, so the tower owns this object and not the other way round.
+    pool (the graphs never run at the same time, and replays copy their outputs out). The runner is not kept:
+    every method takes it, so the runner owns this object and not the other way round.
     """
 
-    def __init__(self, tower, budgets: tuple[int, ...], max_segments: int | None = None):
+    def __init__(self, runner, budgets: tuple[int, ...], max_segments: int | None = None):
         """``budgets`` and ``max_segments`` as :func:`check_budgets` returns and checks them; captures on CUDA."""
         self.budgets = budgets
         self.max_segments = max_segments
-        self.device, self.dtype = tower.device, tower.dtype
+        self.device, self.dtype = runner.device, runner.dtype
         self._graphs: dict[int, _Graph] = {}
         if self.device.type == "cuda":
-            pixels = torch.zeros(self.budgets[-1], tower.config.patch_dim, dtype=self.dtype, device=self.device)
+            pixels = torch.zeros(self.budgets[-1], runner.config.patch_dim, dtype=self.dtype, device=self.device)
             pool = torch.cuda.graph_pool_handle()
             with torch.no_grad():
                 for budget in reversed(self.budgets):
-                    self._graphs[budget] = self._capture(tower, budget, pixels[:budget], pool)
+                    self._graphs[budget] = self._capture(runner, budget, pixels[:budget], pool)
 
-    def _capture(self, tower, budget: int, pixels: torch.Tensor, pool) -> _Graph:
-        batch = pad_batch(tower, np.zeros((0, 3), dtype=np.int64), budget, self.max_segments)
-        # No tile hint: the graph replays batches whose segments may be longer than the capture batch's.
-        inputs = DeviceInputs.of(batch.meta, hint=False)
+    def _capture(self, runner, budget: int, pixels: torch.Tensor, pool) -> _Graph:
+        inputs = pad_batch(runner, np.zeros((0, 3), dtype=np.int64), budget, self.max_segments).inputs()
         # Warm-up on a side stream, as torch.cuda.graph asks: lazy initialization and compilation stay out of the
         # capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(_WARMUP_RUNS):
-                tower._run_device(pixels, inputs)
+                runner.run_device(pixels, inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            outputs = tower._run_device(pixels, inputs)
+            outputs = runner.run_device(pixels, inputs)
         return _Graph(graph, pixels, inputs, outputs)
 
-    def encode(self, tower, pixel_values: torch.Tensor, grid: np.ndarray):
-        """``(merged, deepstack)`` of a batch (``grid`` checked by the caller, ``pixel_values`` of its shape)
-        through the smallest budget that fits it, or None when none does, the batch is empty, or autograd would
-        record the forward (a replay records nothing; the caller then runs the normal path).
+    def encode(self, runner, pixel_values: torch.Tensor, grid: np.ndarray):
+        """The :class:`~qvl.vit.runner.TowerOutputs` of a batch (``grid`` checked by the caller, ``pixel_values``
+        of its shape) through the smallest budget that fits it, or None when none does, the batch is empty, or
+        autograd would record the forward (a replay records nothing; the caller then runs the normal path).
 
         On CUDA: the padded metadata is built on the host and copied in without a sync, the pixel values are
         copied into the graph's buffer (from pinned memory when on the host) and the pad rows zeroed, the graph
         replays, and the outputs are copied out (the next replay overwrites the graph's own). Elsewhere the
-        padded batch runs through the tower's normal device forward."""
-        if tower.device != self.device or tower.dtype != self.dtype:
+        padded batch runs through the runner's normal device forward."""
+        if runner.device != self.device or runner.dtype != self.dtype:
             raise RuntimeError(
-                f"{type(tower).__name__}: its graphs were captured on {self.device} in {self.dtype}, but the tower "
-                f"is now on {tower.device} in {tower.dtype}; call capture() again after moving or casting it"
+                f"{runner.name}: its graphs were captured on {self.device} in {self.dtype}, but the tower is now on "
+                f"{runner.device} in {runner.dtype}; call capture() again after moving or casting it"
             )
-        if grid.shape[0] == 0 or needs_grad(pixel_values, *tower.parameters()):
+        if grid.shape[0] == 0 or needs_grad(pixel_values, *runner.tree.parameters()):
             return None
         for budget in self.budgets:  # smallest first; pad_batch builds metadata only for a batch that fits
-            batch = pad_batch(tower, grid, budget, self.max_segments)
+            batch = pad_batch(runner, grid, budget, self.max_segments)
             if batch is not None:
                 break
         else:
@@ -262,15 +291,15 @@ class TowerGraphs:
         entry = self._graphs.get(batch.budget)
         if entry is None:
             padded = pad_pixels(pixel_values.to(self.device), batch.budget)
-            return batch.real_outputs(*tower._run_device(padded, DeviceInputs.of(batch.meta)))
+            return batch.real_outputs(runner.run_device(padded, batch.inputs()))
         source = pixel_values
         if source.device.type == "cpu":
             source = source.to(self.dtype).pin_memory()
         entry.pixels[: batch.num_tokens].copy_(source, non_blocking=True)
         entry.pixels[batch.num_tokens :].zero_()
-        for static, fresh in zip(entry.inputs, DeviceInputs.of(batch.meta, hint=False)):
+        for static, fresh in zip(entry.inputs, batch.inputs()):
             if isinstance(static, torch.Tensor):
                 static.copy_(fresh, non_blocking=True)
         entry.graph.replay()
-        merged, deepstack = batch.real_outputs(*entry.outputs)
-        return merged.clone(), [features.clone() for features in deepstack]
+        last, merged, deepstack = batch.real_outputs(entry.outputs)
+        return type(entry.outputs)(last.clone(), merged.clone(), [features.clone() for features in deepstack])

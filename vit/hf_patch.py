@@ -17,11 +17,13 @@ from __future__ import annotations
 import sys
 import types
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from .families import config_from_hf, family_of, supported_model_types
+from .metadata import check_grid, grid_as_numpy
 from .parallel import make_parallel
 from .runner import (
     TowerRunner,
@@ -168,8 +170,14 @@ class _PatchedForward:
         hidden = [] if output_hidden_states else None
         runner = self.runner
         if self.data_parallel is None:
-            meta = runner.metadata(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw)
-            last_hidden, merged, deepstack = runner.encode(hidden_states, meta, hidden_states_out=hidden)
+            grid = grid_as_numpy(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw)
+            check_grid(grid, self.config.spatial_merge_size)
+            if hidden is None:
+                last_hidden, merged, deepstack = runner.encode_batch(hidden_states, grid)
+            else:
+                last_hidden, merged, deepstack = runner.encode(
+                    hidden_states, runner.metadata(grid), hidden_states_out=hidden
+                )
         else:
             last_hidden = None
             merged, deepstack = self.data_parallel.run(hidden_states, grid_thw, runner.encode_grid, runner.device)
@@ -194,7 +202,14 @@ def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
     return forward_slot(visual), None
 
 
-def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) -> nn.Module:
+def patch_model(
+    model: nn.Module,
+    *,
+    parallel: str | None = None,
+    group=None,
+    token_budgets: Sequence[int] | None = None,
+    max_segments: int | None = None,
+) -> nn.Module:
     """Make ``model``'s vision tower run on qvl kernels, in place; returns ``model``.
 
     ``model``: a transformers model whose vision tower is Qwen3-VL's, recognised by its ``config.model_type``
@@ -241,6 +256,12 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
     a block qvl reads that block's parameters only. Linear layers inside a block that carry hooks (ZeRO-3's,
     PEFT's) are called too; norms are read, and one that a stack still holds sharded or released raises a
     RuntimeError naming it (FSDP2 sharding a norm on its own, apart from its block).
+
+    ``token_budgets`` (and ``max_segments``): capture the tower's device part as one CUDA graph per token budget
+    now, as :meth:`qvl.vit.VisionTransformer.capture` does, on the tower's current device and dtype (move and cast
+    the model first; afterwards a forward raises until the model is patched again). Calls that autograd would
+    record (training), ask for ``output_hidden_states`` or do not fit a budget run the normal path; a replayed
+    call returns the same outputs. The tower must not be managed by a training stack (FSDP2, ZeRO-3: ValueError).
     """
     visual = _vision_module(model, "patch_model")
     # The config check rejects a tower qvl cannot run, before anything changes.
@@ -252,7 +273,14 @@ def patch_model(model: nn.Module, *, parallel: str | None = None, group=None) ->
         )
     strategy = make_parallel(parallel, config, group, caller="patch_model")
     data_parallel = strategy if strategy.mode == "data" else None
-    _install(visual, TowerRunner(visual, config, family.names, module_calls=True), data_parallel)
+    runner = TowerRunner(visual, config, family.names, module_calls=True, name="patch_model")
+    if token_budgets is not None:
+        token_budgets = runner.check_capture(token_budgets, max_segments, "patch_model")
+    elif max_segments is not None:
+        raise ValueError("patch_model: max_segments is given without token_budgets")
+    _install(visual, runner, data_parallel)
+    if token_budgets is not None:  # the capture calls the modules, whose qvl forwards are now installed
+        runner.capture(token_budgets, max_segments, caller="patch_model")
     return model
 
 

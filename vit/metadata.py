@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 __all__ = [
+    "DeviceInputs",
     "VisionMetadata",
     "WindowMetadata",
     "build_metadata",
@@ -102,6 +104,36 @@ class VisionMetadata:
             interp_indices=_to(self.interp_indices, device),
             interp_weights=_to(self.interp_weights, device),
             window=None if self.window is None else self.window.to(device),
+        )
+
+
+class DeviceInputs(NamedTuple):
+    """The metadata the device forward takes, on the tower's device (see :class:`VisionMetadata`): tensors, None
+    where the tower has no use for them, and the host int ``max_seqlen`` (the full-attention blocks' tile hint, an
+    upper bound of every segment's length; None: no hint)."""
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    window_index: torch.Tensor | None
+    reverse_index: torch.Tensor | None
+    cu_window_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+
+    @classmethod
+    def of(cls, meta: VisionMetadata) -> DeviceInputs:
+        """``meta``'s device tensors and its longest segment as the hint."""
+        window = meta.window
+        return cls(
+            meta.cu_seqlens,
+            meta.positions,
+            meta.interp_indices,
+            meta.interp_weights,
+            None if window is None else window.window_index,
+            None if window is None else window.reverse_index,
+            None if window is None else window.cu_window_seqlens,
+            meta.max_seqlen,
         )
 
 

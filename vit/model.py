@@ -14,19 +14,18 @@ what lets :meth:`TowerBase.compile` compile it once for every batch shape.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from .config import TowerConfig, VisionConfig
 from .families import QWEN3_VL_NAMES, Family, ModuleNames, config_from_dict, config_from_hf
-from .graphs import TowerGraphs, check_budgets
 from .metadata import VisionMetadata
 from .parallel import LocalWidths, make_parallel
-from .runner import DeviceInputs, TowerRunner
+from .runner import TowerRunner
 
 __all__ = ["TowerBase", "VisionTransformer"]
 
@@ -95,11 +94,15 @@ class TowerBase(nn.Module):
     def __init__(self, config: TowerConfig, *, parallel: str | None = None, group=None):
         super().__init__()
         self.config = config
-        self._graphs: TowerGraphs | None = None
         self._parallel = make_parallel(parallel, config, group, caller=type(self).__name__)
         self.num_local_heads = self._parallel.local_widths().num_heads
         self._runner = TowerRunner(
-            self, config, self.names, num_heads=self.num_local_heads, all_reduce=self._parallel.all_reduce
+            self,
+            config,
+            self.names,
+            num_heads=self.num_local_heads,
+            all_reduce=self._parallel.all_reduce,
+            name=type(self).__name__,
         )
 
     @property
@@ -197,47 +200,12 @@ class TowerBase(nn.Module):
         is used: each rank builds its own share's metadata)."""
         if self._parallel.mode == "data":
             return self.forward(pixel_values, meta.grid_thw)
-
-        def encode_local(pixels, grid):
-            captured = self._encode_captured(pixels, grid)
-            return self._encode_local(pixels, meta) if captured is None else captured
-
-        return self._parallel.run(pixel_values, meta.grid_thw, encode_local, self.device)
-
-    def _check_pixels(self, pixel_values: torch.Tensor, num_tokens: int) -> None:
-        expected = (num_tokens, self.config.patch_dim)
-        if tuple(pixel_values.shape) != expected:
-            raise ValueError(
-                f"{type(self).__name__}: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}"
-            )
-
-    def _encode_local(self, pixel_values: torch.Tensor, meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``encode`` of this process's own part of a batch, without checking that other ranks agree on it."""
-        self._check_pixels(pixel_values, meta.num_tokens)
-        if meta.num_tokens == 0:
-            outputs = self._runner.empty_outputs()
-            return outputs.merged, outputs.deepstack
-        return self._run_device(pixel_values.to(self.device), DeviceInputs.of(meta))
-
-    def _run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The device part on device tensors: compiled after :meth:`compile`, else eager."""
-        return self._runner.run_device(pixel_values, inputs)
-
-    def _encode_captured(self, pixel_values: torch.Tensor, grid: np.ndarray):
-        """``(merged, deepstack)`` through the captured budgets (:meth:`capture`), or None where they do not
-        serve this batch (none captured, none fits, an empty batch, a forward autograd would record)."""
-        if self._graphs is None:
-            return None
-        self._check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
-        return self._graphs.encode(self, pixel_values, grid)
+        encode = functools.partial(self._runner.encode_grid, meta=meta)
+        return self._parallel.run(pixel_values, meta.grid_thw, encode, self.device)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode a batch: ``pixel_values (T, C*t*p*p)`` with ``grid_thw (N, 3)`` (CPU tensor or list)."""
-        return self._parallel.run(pixel_values, grid_thw, self._encode_grid, self.device)
-
-    def _encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        captured = self._encode_captured(pixel_values, grid)
-        return self._encode_local(pixel_values, self.metadata(grid)) if captured is None else captured
+        return self._parallel.run(pixel_values, grid_thw, self._runner.encode_grid, self.device)
 
     def capture(self, token_budgets: Sequence[int], max_segments: int | None = None):
         """Prepare the device part for batches of up to each of ``token_budgets`` tokens, in place, and return the
@@ -262,9 +230,12 @@ class TowerBase(nn.Module):
             token_budgets: ints >= 1, each a multiple of ``spatial_merge_size**2`` (the pad is whole merge
                 blocks); order and repeats do not matter.
             max_segments: segment slots of every budget (real and pad frames together; capped at
-                ``budget // spatial_merge_size**2``). None (the default): that cap, which every batch of the
-                budget fits; fewer slots make the attention grid smaller and send batches of many frames to the
-                normal path.
+                ``budget // spatial_merge_size**2``, the most frames a batch of the budget can hold). None (the
+                default): one slot per :data:`~qvl.vit.graphs.PAD_FRAME_UNITS` merge blocks plus
+                :data:`~qvl.vit.graphs.SMALL_FRAME_SLOTS` (:func:`~qvl.vit.graphs.segment_slots`), which every
+                batch of frames of at least 16 merge blocks fits. Each slot is one attention program per head
+                and block: more slots serve batches of many tiny frames at the cost of every replay; batches
+                with more frames than the slots take the normal path.
 
         ``parallel="data"``: each rank pads and replays its own share (the gather stays outside the graph).
         ``parallel="weights"`` raises ValueError: the all-reduces inside the forward would have to be captured
@@ -277,15 +248,13 @@ class TowerBase(nn.Module):
                 f"{name}: parallel='weights' is not supported (its all-reduces would run inside the graphs); "
                 f"use parallel='data' or None"
             )
-        budgets = check_budgets(token_budgets, self.config.spatial_merge_size, max_segments, caller=name)
-        self._graphs = None  # the old graphs' memory goes before the new ones are captured
-        self._graphs = TowerGraphs(self, budgets, max_segments)
+        self._runner.capture(token_budgets, max_segments, caller=name)
         return self
 
     @property
     def captured_budgets(self) -> tuple[int, ...]:
         """The token budgets of :meth:`capture`, ascending (empty before it)."""
-        return () if self._graphs is None else self._graphs.budgets
+        return self._runner.captured_budgets
 
     def compile(self, **compile_kwargs):
         """Compile the device part of the forward (not the host metadata) with the token dim dynamic, in

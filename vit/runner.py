@@ -44,6 +44,7 @@ from qvl.kernels import ops_for, torch_path
 
 from .config import MlpActivation, TowerConfig
 from .families import ModuleNames
+from .graphs import TowerGraphs, check_budgets
 from .layers import (
     AllReduce,
     Product,
@@ -57,7 +58,7 @@ from .layers import (
     swiglu_mlp,
     vision_mlp,
 )
-from .metadata import VisionMetadata, build_metadata, build_window_metadata
+from .metadata import DeviceInputs, VisionMetadata, build_metadata, build_window_metadata
 
 __all__ = [
     "DeviceInputs",
@@ -129,37 +130,6 @@ class TowerSpec:
             position_table=config.num_grid_per_side is not None,
             mlp_activation=config.mlp_activation,
             names=names,
-        )
-
-
-class DeviceInputs(NamedTuple):
-    """The metadata the device forward takes, on the tower's device (see :class:`VisionMetadata`): tensors, None
-    where the tower has no use for them, and the host int ``max_seqlen`` (the full-attention blocks' tile hint;
-    None: no hint)."""
-
-    cu_seqlens: torch.Tensor
-    positions: torch.Tensor
-    interp_indices: torch.Tensor | None
-    interp_weights: torch.Tensor | None
-    window_index: torch.Tensor | None
-    reverse_index: torch.Tensor | None
-    cu_window_seqlens: torch.Tensor | None
-    max_seqlen: int | None
-
-    @classmethod
-    def of(cls, meta: VisionMetadata, hint: bool = True) -> DeviceInputs:
-        """``meta``'s device tensors; ``hint=False`` leaves ``max_seqlen`` None (a captured graph replays other
-        batches than the one it was captured on)."""
-        window = meta.window
-        return cls(
-            meta.cu_seqlens,
-            meta.positions,
-            meta.interp_indices,
-            meta.interp_weights,
-            None if window is None else window.window_index,
-            None if window is None else window.reverse_index,
-            None if window is None else window.cu_window_seqlens,
-            meta.max_seqlen if hint else None,
         )
 
 
@@ -514,6 +484,7 @@ class TowerRunner:
             its modules, transformers'; :func:`install_module_forwards` must have run on it).
         prepare_pixels: applied to the pixel values on the device before the patch embedding (vLLM's
             ``input_norm``); None: none.
+        name: what error messages call the tower (its class, or the entry point's name).
     """
 
     def __init__(
@@ -527,6 +498,7 @@ class TowerRunner:
         linear: LinearParts | None = None,
         module_calls: bool = False,
         prepare_pixels: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        name: str = "qvl tower",
     ):
         self.tree = tree
         self.config = config
@@ -535,6 +507,8 @@ class TowerRunner:
         self.linear = linear
         self.module_calls = module_calls
         self.prepare_pixels = prepare_pixels
+        self.name = name
+        self.graphs: TowerGraphs | None = None
         self._forward = _Forward(self.spec, all_reduce, linear, module_calls)
         self._compiled = None
 
@@ -554,13 +528,46 @@ class TowerRunner:
     def compile(self, **compile_kwargs) -> None:
         """Compile the device part with the token dim dynamic (``fullgraph=True, dynamic=True`` unless
         ``compile_kwargs`` says otherwise); later calls of :meth:`run_device`, and of :meth:`encode` without hidden
-        states, take the compiled code."""
+        states, take the compiled code. Budgets captured before keep the code they captured."""
         options = {"fullgraph": True, "dynamic": True, **compile_kwargs}
         self._compiled = torch.compile(self._forward, **options)
 
-    def run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(merged, deepstack)`` of the device part on device tensors: compiled after :meth:`compile`, else
+    def capture(self, token_budgets, max_segments: int | None = None, *, caller: str = "capture") -> None:
+        """Serve batches of up to each of ``token_budgets`` tokens from CUDA graphs (:mod:`qvl.vit.graphs`): from
+        now on :meth:`encode_grid` pads a batch on the host to the smallest budget whose segment slots
+        (``max_segments``; None: :func:`~qvl.vit.graphs.segment_slots`' default) hold it and replays that budget's
+        graph, captured here after two warm-up runs of the device part (compiled after :meth:`compile`). Off CUDA
+        the padded batch runs through the normal device part. Capturing again replaces the budgets.
+
+        Raises TypeError / ValueError naming ``caller``'s argument for bad budgets, and ValueError for a runner
+        with an all-reduce (weights split over ranks) or a tree whose parameters a training stack holds sharded
+        or released (a graph would replay their gathers, or read memory they no longer own)."""
+        budgets = self.check_capture(token_budgets, max_segments, caller)
+        self.graphs = None  # the old graphs' memory goes before the new ones are captured
+        self.graphs = TowerGraphs(self, budgets, max_segments)
+
+    def check_capture(self, token_budgets, max_segments: int | None, caller: str) -> tuple[int, ...]:
+        """What :meth:`capture` checks before it captures anything: the budgets, sorted and without repeats."""
+        budgets = check_budgets(token_budgets, self.config.spatial_merge_size, max_segments, caller=caller)
+        if self.all_reduce is not None:
+            raise ValueError(f"{caller}: a tower whose weights are split over ranks cannot be captured")
+        if any(isinstance(p, DTensor) or p.numel() == 0 for p in self.tree.parameters()):
+            raise ValueError(
+                f"{caller}: the tower's parameters must be whole on its device (a training stack holds some sharded "
+                "or released: FSDP2, ZeRO-3); capture a tower that a stack does not manage"
+            )
+        return budgets
+
+    @property
+    def captured_budgets(self) -> tuple[int, ...]:
+        """The token budgets of :meth:`capture`, ascending (empty before it)."""
+        return () if self.graphs is None else self.graphs.budgets
+
+    def run_device(self, pixel_values: torch.Tensor, inputs: DeviceInputs) -> TowerOutputs:
+        """The device part on device tensors (``prepare_pixels`` first): compiled after :meth:`compile`, else
         eager."""
+        if self.prepare_pixels is not None:
+            pixel_values = self.prepare_pixels(pixel_values)
         if self._compiled is None:
             return self._forward(self.tree, pixel_values, inputs)
         return call_compiled(self._compiled, self.tree, pixel_values, inputs)
@@ -571,9 +578,11 @@ class TowerRunner:
         last = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
         return TowerOutputs(last, empty, [empty.clone() for _ in self.spec.deepstack_visual_indexes])
 
-    def _pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        pixel_values = pixel_values.to(self.device, non_blocking=True)
-        return pixel_values if self.prepare_pixels is None else self.prepare_pixels(pixel_values)
+    def check_pixels(self, pixel_values: torch.Tensor, num_tokens: int) -> None:
+        """Raise ValueError unless ``pixel_values`` is ``(num_tokens, patch_dim)``."""
+        expected = (num_tokens, self.config.patch_dim)
+        if tuple(pixel_values.shape) != expected:
+            raise ValueError(f"{self.name}: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
 
     def encode(
         self,
@@ -582,14 +591,17 @@ class TowerRunner:
         *,
         hidden_states_out: list[torch.Tensor] | None = None,
     ) -> TowerOutputs:
-        """The device part of a batch whose metadata is built (``hidden_states_out``: see :func:`device_forward`).
-        After :meth:`compile`, calls without it take the compiled code, which returns no ``last_hidden_state``
-        (None); every other call runs eagerly and returns it."""
+        """The device part of a batch whose metadata is built (``hidden_states_out``: see :func:`device_forward`),
+        never replayed. After :meth:`compile`, calls without ``hidden_states_out`` take the compiled code; calls
+        with it run eagerly."""
+        self.check_pixels(pixel_values, meta.num_tokens)
         if meta.num_tokens == 0:
             return self.empty_outputs()
-        pixels, inputs = self._pixels(pixel_values), DeviceInputs.of(meta)
-        if self._compiled is not None and hidden_states_out is None:
-            return TowerOutputs(None, *call_compiled(self._compiled, self.tree, pixels, inputs))
+        pixels, inputs = pixel_values.to(self.device, non_blocking=True), DeviceInputs.of(meta)
+        if hidden_states_out is None:
+            return self.run_device(pixels, inputs)
+        if self.prepare_pixels is not None:
+            pixels = self.prepare_pixels(pixels)
         return device_forward(
             self.tree,
             self.spec,
@@ -601,14 +613,28 @@ class TowerRunner:
             module_calls=self.module_calls,
         )
 
-    def encode_grid(self, pixel_values: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(merged, deepstack)`` of a batch from its checked ``grid`` (a parallel strategy's ``encode``)."""
-        outputs = self.encode(pixel_values, self.metadata(grid))
+    def encode_batch(self, pixel_values: torch.Tensor, grid: np.ndarray, meta: VisionMetadata | None = None):
+        """The outputs of a batch from its checked ``grid``: the host entry of every caller (qvl's towers, the
+        transformers patch, the engines' tower routes, through :meth:`encode_grid` under a parallel strategy). A
+        captured budget that serves the batch replays (:meth:`capture`); else the metadata (``meta``, when the
+        caller built it for ``grid``) and the device part run. Returns :class:`TowerOutputs`."""
+        if self.graphs is not None:
+            self.check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
+            replayed = self.graphs.encode(self, pixel_values, grid)
+            if replayed is not None:
+                return replayed
+        return self.encode(pixel_values, self.metadata(grid) if meta is None else meta)
+
+    def encode_grid(
+        self, pixel_values: torch.Tensor, grid: np.ndarray, meta: VisionMetadata | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(merged, deepstack)`` of :meth:`encode_batch`: the ``encode`` a parallel strategy's ``run`` takes."""
+        outputs = self.encode_batch(pixel_values, grid, meta)
         return outputs.merged, outputs.deepstack
 
 
 class _Forward(nn.Module):
-    """:func:`device_forward` (merged and deepstack features) as a module's forward: torch.compile keeps the
+    """:func:`device_forward` (without hidden states) as a module's forward: torch.compile keeps the
     ints of a module's attributes (the spec) constant, where a plain object's would become symbolic under
     ``dynamic=True`` (and a symbolic head count hides that q, k and v are views of one buffer, which costs copies).
     Holds no parameters: the tree is an argument."""
@@ -620,8 +646,8 @@ class _Forward(nn.Module):
         self.linear = linear
         self.module_calls = module_calls
 
-    def forward(self, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs):
-        outputs = device_forward(
+    def forward(self, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs) -> TowerOutputs:
+        return device_forward(
             tree,
             self.spec,
             pixel_values,
@@ -630,7 +656,6 @@ class _Forward(nn.Module):
             linear=self.linear,
             module_calls=self.module_calls,
         )
-        return outputs.merged, outputs.deepstack
 
 
 def call_compiled(compiled, tree: nn.Module, pixel_values: torch.Tensor, inputs: DeviceInputs):

@@ -2,7 +2,7 @@
 
 For a loaded SGLang model of an architecture a family declares (:mod:`qvl.vit.families`: Qwen3-VL, Qwen3-VL-MoE,
 Qwen3.5 and Qwen3.5-MoE, whose towers are all SGLang's ``Qwen3VLMoeVisionModel``; Qwen2.5-VL and Qwen2-VL),
-:func:`attach` sets the tower instance's ``forward`` to :class:`QvlTowerForward`, which runs
+:func:`attach` sets the tower instance's ``forward`` to a :class:`~qvl.vit.engine_tower.EngineTowerForward`, which runs
 :class:`qvl.vit.runner.TowerRunner` over SGLang's own modules and the weights SGLang loaded into them (nothing is
 copied): host metadata once per batch (Qwen2.5-VL's windows too), then the patch embed, the position-embedding
 kernel, the blocks with rotary fused into attention and residual fused into the norms, the MLP's fused activation
@@ -34,13 +34,14 @@ import os
 import torch
 from torch import nn
 
+from .engine_tower import EngineTowerForward, shared_mismatch
 from .families import Family, config_from_hf, sglang_architectures
 from .layers import Product
 from .parallel import DataParallel, SingleProcess
 from .routes import RouteLog
 from .runner import TowerRunner, part
 
-__all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "tower_mismatch"]
+__all__ = ["ARCHITECTURES", "attach", "tower_mismatch"]
 
 logger = logging.getLogger("sglang.qvl")
 
@@ -83,25 +84,20 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
                 part(module, path)
     except (AttributeError, IndexError) as error:
         return f"the tower differs from what qvl expects ({type(error).__name__}: {error})"
-    if len(visual.blocks) != config.depth:
-        return f"{len(visual.blocks)} blocks where the config says {config.depth}"
+    reason = shared_mismatch(visual, config.depth, mergers, names.merger_norm)
+    if reason is not None:
+        return reason
     layers = [part(block, path) for block in visual.blocks for path in linears]
     layers += [part(merger, path) for merger in mergers for path in (names.merger_fc1, names.merger_fc2)]
     methods = {type(layer.quant_method).__name__ for layer in layers}
     if methods != {"UnquantizedLinearMethod"}:
         return f"linears with weights other than plain ones ({', '.join(sorted(methods))})"
-    norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
-    norms += [part(merger, names.merger_norm) for merger in mergers]
-    if not all(type(norm) is nn.LayerNorm or hasattr(norm, "variance_epsilon") for norm in norms):
-        return "norms other than torch's LayerNorm or an RMSNorm"
     ranks = _attn_tp_group().world_size if split == "weights" else 1
     heads = visual.blocks[0].attn.num_attention_heads_per_partition
     head_dim = visual.blocks[0].attn.head_size
     if heads * ranks != config.num_heads or head_dim != config.head_dim:
         expected = f"{config.num_heads} of {config.head_dim}"
         return f"{heads} heads of {head_dim} on each of {ranks} ranks where the config says {expected}"
-    if visual.patch_embed.proj.weight.dim() != 5:
-        return "a patch embedding that is not a Conv3d weight"
     if not qwen3_kind:
         frequencies = visual.rotary_pos_emb.inv_freq.numel()
         if frequencies != head_dim // 4:
@@ -112,8 +108,6 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
     rope = visual.rotary_pos_emb
     if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or rope.base != config.rope_theta:
         return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, base {rope.base})"
-    if visual.merger.use_postshuffle_norm or not all(merger.use_postshuffle_norm for merger in mergers[1:]):
-        return "mergers that norm in another order than Qwen3-VL's"
     if getattr(visual, "disable_merger_proj", False):
         return "mergers without their projection (disable_merger_proj)"
     return None
@@ -158,7 +152,7 @@ def _qvl_forward(model: nn.Module, hf_config, family: Family, split: str | None,
             tree = _weights_split_tree(visual, names, config, group)
     num_heads = visual.blocks[0].attn.num_attention_heads_per_partition
     runner = TowerRunner(tree, config, names, num_heads=num_heads, all_reduce=all_reduce, linear=_linear_parts)
-    return QvlTowerForward(visual, runner, strategy, routes)
+    return EngineTowerForward(visual, runner, strategy, routes.count)
 
 
 def _attn_tp_group():
@@ -191,31 +185,6 @@ def _weights_split_tree(visual: nn.Module, names, config, group) -> nn.Module:
     if config.deepstack_visual_indexes:
         setattr(tree, names.deepstack_mergers, part(visual, names.deepstack_mergers))
     return tree
-
-
-class QvlTowerForward:
-    """The ``forward`` of an SGLang vision tower instance of a qvl family, on qvl.
-
-    ``forward(x, grid_thw)``: ``x`` the processor's ``(T, in_channels * temporal_patch_size * patch_size**2)``
-    patches in merge-block order, ``grid_thw`` ``(N, 3)`` (a CPU tensor or list). Returns SGLang's layout:
-    ``(T / m^2, out_hidden_size * (1 + len(deepstack)))``, the main merger's features then each deepstack merger's
-    (the merger's alone for towers without deepstack), in the input's order.
-    """
-
-    def __init__(self, visual: nn.Module, runner: TowerRunner, strategy, routes: RouteLog):
-        self.visual = visual
-        self.runner = runner
-        self.strategy = strategy
-        self.routes = routes
-
-    def __call__(self, x: torch.Tensor, grid_thw) -> torch.Tensor:
-        self.routes.count("tower")
-        if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
-            # SGLang keeps grid_thw on the CPU for these models; read elsewhere, it costs the sync SGLang's own
-            # forward makes.
-            grid_thw = grid_thw.tolist()
-        merged, deepstack = self.strategy.run(x, grid_thw, self.runner.encode_grid, self.runner.device)
-        return torch.cat([merged, *deepstack], dim=1) if deepstack else merged
 
 
 def _linear_parts(module: nn.Module) -> tuple[Product, torch.Tensor | None]:

@@ -20,26 +20,34 @@ vLLM's two tensor-parallel encoder modes:
 On a CPU the tower runs qvl's torch path, and only where :mod:`qvl.vit.cpu_path` says it beats vLLM's own tower in
 the model's dtype (measured; switch ``QVL_CPU_ROUTES``); elsewhere vLLM's tower stays, with one log line.
 
-What stays vLLM's: quantized towers, pipeline stages without the tower, towers whose shape qvl's forward
-does not match (one log line each, at model build), and the encoder CUDA-graph path (calls that bring
-vLLM's precomputed ``encoder_metadata``), whose attention still runs on qvl through the attention route.
-With ``compile_mm_encoder`` on, the device part of the forward is compiled once with its token dim dynamic.
+With vLLM's encoder CUDA graphs on (``cudagraph_mm_encoder``, token budgets), vLLM's graph manager captures and
+replays qvl's forward on qvl's buffers (:class:`QvlTowerForward`); in data mode it then splits the batch over the
+ranks itself, as for vLLM's tower. With ``compile_mm_encoder`` on, the device part of the forward is compiled once
+with its token dim dynamic (and captured compiled).
+
+What stays vLLM's: quantized towers, pipeline stages without the tower and towers whose shape qvl's forward does
+not match (one log line each, at model build).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 from vllm.logger import init_logger
 
+from .engine_tower import EngineTowerForward, features_of, shared_mismatch
 from .families import Family, config_from_hf
 from .families import vllm_architectures as family_architectures
+from .graphs import pad_grid, pad_offsets
 from .layers import Product
+from .metadata import DeviceInputs, check_grid, grid_as_numpy
 from .parallel import DataParallel, SingleProcess
 from .runner import TowerRunner, part
 from .vllm_attention import cpu_step_aside
@@ -70,7 +78,9 @@ def install() -> tuple[str, ...]:
 
 
 def _with_qvl_tower(base: type[nn.Module], family: Family) -> type[nn.Module]:
-    class Model(base):
+    bases = (_QvlEncoderGraphs, base) if hasattr(base, "encoder_cudagraph_forward") else (base,)
+
+    class Model(*bases):
         def __init__(self, *, vllm_config, prefix: str = "model"):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             attach(self, vllm_config, family)
@@ -118,22 +128,13 @@ def tower_mismatch(visual: nn.Module | None, vllm_config, family: Family, split:
                 part(module, path)
     except (AttributeError, IndexError, ValueError) as error:
         return f"the tower differs from what qvl expects ({type(error).__name__}: {error})"
-    if len(visual.blocks) != config.depth:
-        return f"{len(visual.blocks)} blocks where the config says {config.depth}"
-    norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
-    norms += [part(merger, names.merger_norm) for merger in mergers]
-    if not all(type(norm) is nn.LayerNorm or hasattr(norm, "variance_epsilon") for norm in norms):
-        return "norms other than torch's LayerNorm or an RMSNorm"
+    reason = shared_mismatch(visual, config.depth, mergers, names.merger_norm)
+    if reason is not None:
+        return reason
     head_dim = visual.blocks[0].attn.hidden_size_per_attention_head
     rope = visual.rotary_pos_emb
     if not rope.is_neox_style or rope.rotary_dim != head_dim // 2 or head_dim % 4 or head_dim != config.head_dim:
         return f"a rotary embedding other than the 2D one qvl fuses (rotary_dim {rope.rotary_dim}, head dim {head_dim})"
-    if visual.patch_embed.proj.weight.dim() != 5:
-        return "a patch embedding that is not a Conv3d weight"
-    if getattr(visual.merger, "use_postshuffle_norm", False) or not all(
-        getattr(merger, "use_postshuffle_norm", True) for merger in mergers[1:]
-    ):
-        return "mergers that norm in another order than Qwen3-VL's"
     if split == "weights" and type(visual.blocks[0].attn.qkv).__name__ != "QKVParallelLinear":
         # A plain column-parallel qkv gives each rank a slice of the stacked [q | k | v] rows, not its heads' q, k
         # and v; vLLM gathers them again in its own forward.
@@ -161,25 +162,35 @@ def attach(model: nn.Module, vllm_config, family: Family) -> None:
         reason = tower_mismatch(visual, vllm_config, family, split)
         if reason is None and cpu_step_aside(visual.dtype) is not None:
             return  # cpu_step_aside logged the one line
+        # vLLM's encoder CUDA graphs (where the model has them) capture qvl's forward; in data mode their manager
+        # splits the batch over the ranks itself, so qvl's balancer steps back.
+        graphs = _QvlEncoderGraphs in type(model).__mro__ and _encoder_graphs_on(vllm_config)
         if reason is None:
-            forward, compiled = _qvl_forward(visual, vllm_config, family, split)
+            forward, compiled = _qvl_forward(visual, vllm_config, family, split, graphs)
     except Exception as error:  # a vLLM that differs from what qvl expects must still serve
         reason = f"{type(error).__name__}: {error}"
     if reason is not None:
         logger.info_once(f"qvl: vLLM's own vision tower runs for {type(model).__name__}: {reason}")
         return
     visual.forward = forward
-    if split == "data":
+    if split == "data" and not graphs:
         # The model then hands the whole batch to the tower, whose strategy splits it.
         model.use_data_parallel = False
-    record_tower({"model": type(model).__name__, "split": split, "compiled": compiled})
+    record_tower({"model": type(model).__name__, "split": split, "compiled": compiled, "encoder_graphs": graphs})
     how = {None: "one rank", "weights": "weights split over ranks", "data": "qvl's balancer over ranks"}[split]
-    logger.info_once(f"qvl: {type(model).__name__}'s vision tower runs on qvl ({how}{', compiled' * compiled})")
+    if split == "data" and graphs:
+        how = "vLLM's split over ranks"
+    extras = ", compiled" * compiled + ", in vLLM's encoder CUDA graphs" * graphs
+    logger.info_once(f"qvl: {type(model).__name__}'s vision tower runs on qvl ({how}{extras})")
 
 
-def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | None):
+def _encoder_graphs_on(vllm_config) -> bool:
+    return bool(getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False))
+
+
+def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | None, graphs: bool):
     _, config = config_from_hf(vllm_config.model_config.hf_config)
-    if split == "data":
+    if split == "data" and not graphs:
         group = get_tp_group()
         # Features travel over the device group; the per-call batch check over vLLM's gloo twin of it, so on
         # GPUs it never waits for the device.
@@ -201,33 +212,136 @@ def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | No
     return QvlTowerForward(visual, runner, strategy), compiled
 
 
-class QvlTowerForward:
-    """The ``forward`` of a vLLM vision tower instance, on qvl.
+class QvlTowerForward(EngineTowerForward):
+    """The ``forward`` of a vLLM vision tower instance, on qvl (see
+    :class:`~qvl.vit.engine_tower.EngineTowerForward`), and the tower's side of vLLM's encoder CUDA graphs.
 
-    ``forward(x, grid_thw)``: ``x`` the processor's ``(T, in_channels * temporal_patch_size * patch_size**2)``
-    patches in merge-block order, ``grid_thw`` ``(N, 3)`` (a CPU tensor or list). Returns vLLM's layout:
-    ``(T / m^2, out_hidden_size * (1 + len(deepstack)))``, the main merger's features then each deepstack
-    merger's (the merger's alone for towers without deepstack). Calls with ``encoder_metadata`` (vLLM's encoder
-    CUDA graphs) run vLLM's own forward.
+    Under vLLM's ``cudagraph_mm_encoder`` the model (:class:`_QvlEncoderGraphs`) hands vLLM's graph manager qvl's
+    static buffers: the pixel values and the runner's device inputs (:class:`~qvl.vit.metadata.DeviceInputs`).
+    vLLM captures :meth:`graph_forward` per token budget and before each replay copies a batch's buffers
+    (:meth:`replay_values`) into the captured ones, zero-filling the rows past the batch; the segment offsets are
+    filled with their last value instead (zero-length segments). The rows past the batch then belong to no
+    attention segment and every other op works per token or per merge block, so they never reach the batch's
+    rows, which vLLM reads back. Calls with ``encoder_metadata`` (vLLM's own metadata, from a path that did not go
+    through :class:`_QvlEncoderGraphs`) run vLLM's own forward.
     """
 
     def __init__(self, visual: nn.Module, runner: TowerRunner, strategy):
-        self.visual = visual
-        self.runner = runner
-        self.strategy = strategy
+        super().__init__(visual, runner, strategy, count)
         self.vllm_forward = type(visual).forward.__get__(visual)
 
     def __call__(self, x: torch.Tensor, grid_thw, *, encoder_metadata=None) -> torch.Tensor:
         if encoder_metadata is not None:
             count("tower_fallback")
             return self.vllm_forward(x, grid_thw, encoder_metadata=encoder_metadata)
+        return super().__call__(x, grid_thw)
+
+    def graph_keys(self) -> list[str]:
+        """The buffers a captured graph reads: the pixel values and the device inputs this tower uses."""
+        spec = self.runner.spec
+        keys = ["pixel_values", "cu_seqlens", "positions"]
+        if spec.position_table:
+            keys += ["interp_indices", "interp_weights"]
+        if spec.windowed:
+            keys += ["window_index", "reverse_index", "cu_window_seqlens"]
+        return keys
+
+    def graph_config(self, config):
+        """vLLM's ``EncoderCudaGraphConfig`` of the model (``config``: vLLM's own) with qvl's buffers."""
+        offsets = dict.fromkeys(("cu_seqlens", "cu_window_seqlens"), _fill_with_last_offset)
+        return dataclasses.replace(config, buffer_keys=self.graph_keys(), padding_logics=offsets)
+
+    def capture_values(self, token_budget: int, max_segments: int) -> dict[str, torch.Tensor]:
+        """The static buffers of a graph for ``token_budget`` merged tokens in at most ``max_segments`` frames:
+        ``token_budget * m**2`` zero pixel rows and the metadata of pad frames filling them (:mod:`qvl.vit.graphs`),
+        the offsets as long as any batch of the budget needs."""
+        runner = self.runner
+        merge = runner.config.spatial_merge_size
+        tokens = token_budget * merge * merge
+        slots = max(1, max_segments)
+        grid = pad_grid(np.zeros((0, 3), dtype=np.int64), tokens, merge, slots)
+        values = self._values(runner.metadata(grid))
+        values["cu_seqlens"] = pad_offsets(values["cu_seqlens"], slots + 1)
+        if "cu_window_seqlens" in values:
+            values["cu_window_seqlens"] = pad_offsets(values["cu_window_seqlens"], token_budget + 1)
+        dtype = getattr(self.visual.input_norm, "input_dtype", None) or runner.dtype
+        values["pixel_values"] = torch.zeros(tokens, runner.config.patch_dim, dtype=dtype, device=runner.device)
+        return values
+
+    def replay_values(self, pixel_values: torch.Tensor, grid_thw) -> dict[str, torch.Tensor]:
+        """A batch's buffers (``grid_thw``: list or CPU tensor), as long as the batch: vLLM pads them."""
+        grid = grid_as_numpy(grid_thw)
+        check_grid(grid, self.runner.config.spatial_merge_size)
+        return {**self._values(self.runner.metadata(grid)), "pixel_values": pixel_values}
+
+    def graph_forward(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The device part on a graph's buffers, in vLLM's layout (what vLLM captures). The tile hint is the
+        buffers' token count, which no segment exceeds."""
         count("tower")
-        if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
-            # vLLM keeps grid_thw on the CPU for these models; read elsewhere, it costs the sync vLLM's own
-            # forward would make.
-            grid_thw = grid_thw.tolist()
-        merged, deepstack = self.strategy.run(x, grid_thw, self.runner.encode_grid, self.runner.device)
-        return torch.cat([merged, *deepstack], dim=1) if deepstack else merged
+        pixels = values["pixel_values"]
+        fields = {name: values.get(name) for name in DeviceInputs._fields if name != "max_seqlen"}
+        outputs = self.runner.run_device(pixels, DeviceInputs(**fields, max_seqlen=pixels.shape[0]))
+        return features_of(outputs.merged, outputs.deepstack)
+
+    def _values(self, meta) -> dict[str, torch.Tensor]:
+        inputs = DeviceInputs.of(meta)
+        return {key: getattr(inputs, key) for key in self.graph_keys()[1:]}
+
+
+def _fill_with_last_offset(buffer: torch.Tensor, offsets: torch.Tensor) -> None:
+    """vLLM's padding logic for qvl's segment offsets: ``offsets`` then its last value repeated (zero-length
+    segments), with no sync."""
+    buffer[: offsets.shape[0]].copy_(offsets)
+    buffer[offsets.shape[0] :].copy_(offsets[-1:].expand(buffer.shape[0] - offsets.shape[0]))
+
+
+def _qvl_tower(model: nn.Module) -> QvlTowerForward | None:
+    forward = vars(getattr(model, "visual", None) or nn.Module()).get("forward")
+    return forward if isinstance(forward, QvlTowerForward) else None
+
+
+class _QvlEncoderGraphs:
+    """vLLM's encoder CUDA-graph protocol (``SupportsEncoderCudaGraph``) on qvl's tower, for the model classes whose
+    vLLM base has it: where qvl runs the tower, vLLM's graph manager captures and replays qvl's forward on qvl's
+    buffers (:class:`QvlTowerForward`); elsewhere, vLLM's own methods."""
+
+    def get_encoder_cudagraph_config(self):
+        config = super().get_encoder_cudagraph_config()
+        tower = _qvl_tower(self)
+        return config if tower is None else tower.graph_config(config)
+
+    def prepare_encoder_cudagraph_capture_inputs(
+        self, token_budget, max_batch_size, max_frames_per_batch, device, dtype, path="default", axis_keys=None
+    ):
+        tower = _qvl_tower(self)
+        if tower is None:
+            return super().prepare_encoder_cudagraph_capture_inputs(
+                token_budget, max_batch_size, max_frames_per_batch, device, dtype, path, axis_keys
+            )
+        from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphCaptureInputs
+
+        # vLLM sizes image batches' offsets by items and videos' by frames.
+        slots = max(max_batch_size, max_frames_per_batch or 0)
+        return EncoderCudaGraphCaptureInputs(values=tower.capture_values(token_budget, slots))
+
+    def prepare_encoder_cudagraph_replay_buffers(self, mm_kwargs, max_batch_size, max_frames_per_batch, path="default"):
+        tower = _qvl_tower(self)
+        if tower is None:
+            return super().prepare_encoder_cudagraph_replay_buffers(
+                mm_kwargs, max_batch_size, max_frames_per_batch, path
+            )
+        from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphReplayBuffers
+
+        pixel_values = self._get_pixel_values_by_modality(mm_kwargs)
+        return EncoderCudaGraphReplayBuffers(
+            tower.replay_values(pixel_values, self._get_grid_thw_by_modality(mm_kwargs))
+        )
+
+    def encoder_cudagraph_forward(self, values, path="default"):
+        tower = _qvl_tower(self)
+        if tower is None:
+            return super().encoder_cudagraph_forward(values, path)
+        return tower.graph_forward(values)
 
 
 def _linear_parts(visual: nn.Module, module: nn.Module) -> tuple[Product, torch.Tensor | None]:

@@ -11,6 +11,7 @@ import torch
 
 from bench.sglang_inprocess import sglang_model_of, sglang_world
 from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
+from qvl.vit.engine_tower import EngineTowerForward
 from tolerance import assert_error_within
 from towers import (
     QWEN2_FAMILIES,
@@ -62,7 +63,7 @@ def test_routes_match_sglang_and_float64(route, dtype):
     out = outputs(model, pixel_values, GRID)
     after = sglang_plugin.route_counts()
     if route == "all":
-        assert isinstance(model.visual.forward, sglang_tower.QvlTowerForward)
+        assert isinstance(model.visual.forward, EngineTowerForward)
         assert after["tower"] == before["tower"] + 1 and after["attention"] == before["attention"]
     else:
         assert after["attention"] == before["attention"] + len(model.visual.blocks)
@@ -156,7 +157,7 @@ def test_tower_route_steps_aside_for_vit_cuda_graphs(monkeypatch):
     with mode("all"):
         done = sglang_plugin.apply(model, hf_vision.config)
     assert done["tower"].startswith(sglang_tower.CUDA_GRAPH_SWITCH)
-    assert not isinstance(model.visual.forward, sglang_tower.QvlTowerForward)
+    assert not isinstance(model.visual.forward, EngineTowerForward)
     assert done["attention_layers"] == len(model.visual.blocks)
 
 
@@ -234,7 +235,7 @@ def test_routes_step_aside_on_a_cpu_where_qvl_was_not_measured_faster(monkeypatc
     assert done["attention_layers"] == 0 and done["tower"] == done["cpu"]
     assert "1.25x" in done["cpu"]
     assert {block.attn.qkv_backend_name for block in model.visual.blocks} == {"sdpa"}
-    assert not isinstance(model.visual.forward, sglang_tower.QvlTowerForward)
+    assert not isinstance(model.visual.forward, EngineTowerForward)
     monkeypatch.setitem(cpu_path.MEASURED, ("sglang", torch.float32), cpu_path.Measurement(0.8, "a test"))
     with mode("all"):
         done = sglang_plugin.apply(model, hf_vision.config)

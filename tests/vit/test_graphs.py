@@ -14,8 +14,7 @@ import torch
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer
-from qvl.vit.graphs import PAD_FRAME_UNITS, pad_batch, pad_pixels
-from qvl.vit.runner import DeviceInputs
+from qvl.vit.graphs import PAD_FRAME_UNITS, SMALL_FRAME_SLOTS, pad_batch, pad_grid, pad_pixels, segment_slots
 
 # Two images and a two-frame video: 112 tokens (28 merged) in 4 frames; with window_size 56 (2 x 2 merge blocks)
 # the 6 x 10 image leaves partial windows.
@@ -48,13 +47,13 @@ def _rank_main(out_dir: str) -> None:
     init_from_env("cpu")
     tower = VisionTransformer(DATA_CONFIG, parallel="data").init_random_weights().capture(DATA_BUDGETS)
     runs = []
-    run_device = tower._run_device
+    run_device = tower._runner.run_device
 
     def counted(pixel_values, *inputs):
         runs.append(pixel_values.shape[0])
         return run_device(pixel_values, *inputs)
 
-    tower._run_device = counted
+    tower._runner.run_device = counted
     pixels = torch.randn(TOKENS, DATA_CONFIG.patch_dim, generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), force_backend("torch"):
         merged, deepstack = tower(pixels, GRID)
@@ -104,20 +103,20 @@ def family(name: str, seed: int = 0, **overrides):
 
 def padded_outputs(tower, pixels: torch.Tensor, batch) -> list[torch.Tensor]:
     """``[merged, *deepstack]`` of the padded batch's device forward on ``pixels``, cut to the real rows."""
-    merged, deepstack = batch.real_outputs(*tower._run_device(pixels, DeviceInputs.of(batch.meta)))
+    _, merged, deepstack = batch.real_outputs(tower._runner.run_device(pixels, batch.inputs()))
     return [merged, *deepstack]
 
 
 def device_runs(monkeypatch, tower) -> list[tuple[int, int]]:
     """``(tokens, segments)`` of every run of the tower's device part from now on."""
     counts = []
-    run_device = tower._run_device
+    run_device = tower._runner.run_device
 
     def counted(pixel_values, inputs):
         counts.append((pixel_values.shape[0], inputs.cu_seqlens.shape[0] - 1))
         return run_device(pixel_values, inputs)
 
-    monkeypatch.setattr(tower, "_run_device", counted)
+    monkeypatch.setattr(tower._runner, "run_device", counted)
     return counts
 
 
@@ -149,6 +148,26 @@ def test_padded_batches_give_the_unpadded_features(name, monkeypatch):
             assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], expected)), what
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+def test_padded_last_hidden_state_is_the_real_tokens(name):
+    """The pad frames come last in the blocks' token order too (window order: windows never cross frames), so the
+    padded run's last hidden state cut to the real tokens is transformers' (window order for Qwen2.5-VL)."""
+    tower, hf, _, rotary = family(name)
+    pixels = pixel_values_for(GRID, channels=tower.config.patch_dim)
+    grid = torch.tensor(GRID)
+
+    def last_hidden(model):
+        with torch.no_grad():
+            return model(pixels.to(model.dtype), grid_thw=grid).last_hidden_state
+
+    truth = float64_run(hf, last_hidden, *rotary)
+    tower.capture([512])
+    with force_backend("torch"), torch.no_grad():
+        got = tower._runner.encode_batch(pixels, np.array(GRID)).last_hidden_state
+    assert got.shape == (TOKENS, tower.config.hidden_size)
+    assert_error_within(got, truth, last_hidden(hf), what=f"{name} padded last hidden state")
+
+
 def test_interpreter_kernels_on_a_padded_batch():
     """One small Qwen2.5-VL batch (an image, a two-frame video) through the Triton interpreter: two pad frames, cut
     into windows like any frame (the windowed blocks' tile hint is the config's window, which no pad window
@@ -173,7 +192,7 @@ def test_every_batch_of_a_budget_has_the_same_shapes(name):
     budget = 256
     grids = [GRID, [[1, 2, 2]], [[8, 2, 8]], [[1, 16, 16]], []]
     batches = [pad_batch(tower, grid, budget) for grid in grids]
-    inputs = [DeviceInputs.of(batch.meta) for batch in batches]
+    inputs = [batch.inputs() for batch in batches]
     shapes = {tuple(t.shape for t in tensors if isinstance(t, torch.Tensor)) for tensors in inputs}
     assert len(shapes) == 1
     for grid, batch in zip(grids, batches):
@@ -182,12 +201,40 @@ def test_every_batch_of_a_budget_has_the_same_shapes(name):
         assert (pad[:, 1] == 2).all() and (pad[:, 2] <= 2 * PAD_FRAME_UNITS).all()
         assert batch.num_merged_tokens == batch.num_tokens // 4 == sum(t * h * w for t, h, w in grid) // 4
         offsets = batch.meta.cu_seqlens
-        assert offsets.shape == (budget // 4 + 1,) and int(offsets[-1]) == budget
+        assert offsets.shape == (segment_slots(budget, 2, None) + 1,) and int(offsets[-1]) == budget
         assert bool((offsets[1:] >= offsets[:-1]).all())
     assert batches[2].grid[1:].tolist() == [[2, 2, 2 * PAD_FRAME_UNITS]]  # after a 128-token video: 2 full pad frames
     assert batches[3].grid.tolist() == [[1, 16, 16]]  # an exact fit: no pad frame
     tight = pad_batch(tower, GRID, budget, max_segments=FRAMES + 1)  # one slot left: one pad frame of 36 blocks
     assert tight.grid[3:].tolist() == [[1, 2, 72]] and tight.meta.cu_seqlens.shape == (FRAMES + 2,)
+
+
+def test_default_slots_fit_every_batch_of_frames_no_smaller_than_a_pad_frame():
+    """The default segment slots stay near the budget's tile count (each slot is an attention program per head)
+    yet hold any batch whose frames have at least PAD_FRAME_UNITS merge blocks, with its pad frames, plus up to
+    SMALL_FRAME_SLOTS smaller frames; the padded batch's tile hint is its budget."""
+    assert segment_slots(16384, 2, None) == 16384 // (4 * PAD_FRAME_UNITS) + SMALL_FRAME_SLOTS
+    assert segment_slots(64, 2, None) == 16 and segment_slots(16384, 2, 10**6) == 4096
+    rng = np.random.default_rng(0)
+    for budget in (256, 1024, 4096, 16384):
+        slots = segment_slots(budget, 2, None)
+        for _ in range(200):
+            frames = []
+            while True:  # frames of 16..80 merge blocks (2 rows), then up to SMALL_FRAME_SLOTS single blocks
+                units = int(rng.integers(PAD_FRAME_UNITS, 5 * PAD_FRAME_UNITS))
+                if 4 * (sum(frames) + units) > budget:
+                    break
+                frames.append(units)
+            small = int(rng.integers(0, SMALL_FRAME_SLOTS + 1))
+            frames = frames[: len(frames) - (small > 0)]  # room for the small frames
+            grid = np.array([(1, 2, 2 * u) for u in frames] + [(1, 2, 2)] * small, dtype=np.int64).reshape(-1, 3)
+            if 4 * int(np.prod(grid, axis=1).sum()) > 4 * budget:
+                continue
+            padded = pad_grid(grid, budget, 2, slots)
+            assert padded is not None, (budget, frames, small)
+            assert int(np.prod(padded, axis=1).sum()) == budget and padded[:, 0].sum() <= slots
+    tower = family("qwen3_vl")[0]
+    assert pad_batch(tower, GRID, 512).inputs().max_seqlen == 512
 
 
 def test_batches_the_budgets_do_not_serve_take_the_normal_path(monkeypatch):

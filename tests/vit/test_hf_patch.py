@@ -282,6 +282,46 @@ def test_patch_model_parallel_arguments():
     assert not is_patched(hf)
 
 
+def test_patch_with_token_budgets_pads_to_a_budget(monkeypatch):
+    """``patch_model(..., token_budgets=...)`` captures through the runner (on a CPU: the padded batch through the
+    normal device part, which is what a replay runs): the outputs, last hidden state included, are transformers'
+    within the tolerance rule; hidden states, autograd and batches above every budget take the normal path."""
+    hf = hf_vision_model(seed=2, **TINY_VISION)
+    pixels, grid = pixel_values_for(GRID), torch.tensor(GRID)
+    truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)))
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid)
+    patch_model(hf, token_budgets=[64, 16])
+    runner = vars(hf)["forward"].runner
+    assert runner.captured_budgets == (16, 64)
+    runs = []
+    run_device = runner.run_device
+    monkeypatch.setattr(
+        runner, "run_device", lambda pixels, inputs: runs.append(len(pixels)) or run_device(pixels, inputs)
+    )
+    with torch.no_grad(), force_backend("torch"):
+        got = hf(pixels, grid_thw=grid)
+        hf(pixels, grid_thw=grid, output_hidden_states=True)
+        large = [[1, 8, 10]]
+        hf(pixel_values_for(large), grid_thw=torch.tensor(large))
+    assert runs == [64, 80]  # the hidden states' call runs device_forward itself
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="padded [last, merged, *deepstack]")
+    with force_backend("torch"):
+        trained = hf(pixels, grid_thw=grid)
+    assert trained.pooler_output.requires_grad and runs == [64, 80, 28]
+
+
+def test_patch_with_token_budgets_refuses_bad_arguments():
+    hf = hf_vision_model(seed=2, **TINY_VISION)
+    with pytest.raises(ValueError, match=r"patch_model: token_budgets\[0\] = 30 must be a multiple"):
+        patch_model(hf, token_budgets=[30])
+    with pytest.raises(TypeError, match=r"patch_model: max_segments must be an int"):
+        patch_model(hf, token_budgets=[64], max_segments=1.5)
+    with pytest.raises(ValueError, match=r"patch_model: max_segments is given without token_budgets"):
+        patch_model(hf, max_segments=4)
+    assert not is_patched(hf)
+
+
 def test_hidden_states_as_transformers(tower_calls):
     """``output_hidden_states`` from the argument or the config: the embedded patches and every block's output, as
     transformers returns them (a selection by index leaves the other entries None, ``return_dict=False`` a tuple)."""

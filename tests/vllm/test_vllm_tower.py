@@ -83,6 +83,81 @@ def test_encoder_metadata_calls_keep_vllm_forward():
     assert (after["tower_fallback"], after["tower"]) == (before["tower_fallback"] + 1, before["tower"])
 
 
+def graph_case(name: str):
+    """``(visual, vllm_forward, pixel_values, grid, truth)`` of a family (Qwen3-VL's tower, or a Qwen2 one)."""
+    if name == "qwen3_vl":
+        hf_model, grid = hf_vision_model(seed=3), GRID
+        pixel_values = pixel_values_for(grid, seed=4)
+        truth = torch.cat(float64_vision_outputs(hf_model, pixel_values, grid), dim=1)
+    else:
+        hf_model, grid = hf_qwen2_family_tower(name, seed=9), QWEN2_GRID
+        pixel_values = pixel_values_for(grid, seed=10, channels=3 * 2 * 14 * 14)
+        truth = float64_qwen2_family_outputs(name, hf_model, pixel_values, grid)
+    return (*attached(hf_model, torch.float32), pixel_values, grid, truth)
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+def test_encoder_cuda_graph_buffers_give_the_batch_features(name):
+    """vLLM's encoder CUDA graphs on qvl's tower as vLLM's manager drives them, the graph itself left out (a CPU
+    cannot capture one): buffers for a budget of 64 merged tokens in 8 segments, a run on them (the manager's
+    warm-up and capture), then a smaller batch's buffers copied in with the manager's own padding (its
+    zero-fill, or the config's logic for offsets) and the forward on the captured buffers: the batch's features in
+    the first rows, within the tolerance rule, through the interpreter's kernels."""
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+    from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphConfig
+
+    visual, vllm_forward, pixel_values, grid, truth = graph_case(name)
+    tower = visual.forward
+    config = tower.graph_config(EncoderCudaGraphConfig(modalities=["image"], buffer_keys=[], out_hidden_size=1))
+    assert config.buffer_keys[0] == "pixel_values" and set(config.buffer_keys) == {
+        "pixel_values",
+        *tower._values(tower.runner.metadata(grid)),
+    }
+    captured = tower.capture_values(64, 8)
+    assert captured["pixel_values"].shape == (256, tower.runner.config.patch_dim)
+    assert captured["cu_seqlens"].shape == (9,)
+    before = vllm_routes.route_counts()["tower"]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        assert tower.graph_forward(dict(captured)).shape[0] == 64
+        for key, buffer in captured.items():
+            copy_in = config.padding_logics.get(key, EncoderCudaGraphManager._copy_padded_buffer)
+            copy_in(buffer, tower.replay_values(pixel_values, torch.tensor(grid))[key])
+        offsets = captured["cu_seqlens"]
+        assert bool((offsets[1:] >= offsets[:-1]).all()) and int(offsets[-1]) == pixel_values.shape[0]
+        out = tower.graph_forward(captured)[: pixel_values.shape[0] // 4]
+        baseline = vllm_forward(pixel_values, grid_thw=grid)
+    assert vllm_routes.route_counts()["tower"] == before + 2
+    assert_error_within(out, truth, baseline, what=f"{name} through vLLM's encoder graph buffers")
+
+
+def test_model_classes_hand_vllm_graphs_qvl_buffers(monkeypatch):
+    """The registered model classes whose vLLM base has the encoder CUDA-graph protocol answer it with qvl's
+    buffers and forward while qvl runs the tower, and with vLLM's own otherwise."""
+    from vllm.model_executor.models.interfaces import supports_encoder_cudagraph
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphConfig
+
+    model_class = vllm_tower.Qwen3VLForConditionalGeneration
+    assert supports_encoder_cudagraph(model_class) and vllm_tower._QvlEncoderGraphs in model_class.__mro__
+    vllm_config = EncoderCudaGraphConfig(modalities=["image"], buffer_keys=["vllm"], out_hidden_size=1)
+    monkeypatch.setattr(Qwen3VLForConditionalGeneration, "get_encoder_cudagraph_config", lambda self: vllm_config)
+    model = object.__new__(model_class)
+    torch.nn.Module.__init__(model)
+    visual, _, pixel_values, grid, _ = graph_case("qwen3_vl")
+    model.visual = visual
+    assert model.get_encoder_cudagraph_config().buffer_keys == visual.forward.graph_keys()
+    inputs = model.prepare_encoder_cudagraph_capture_inputs(64, 4, 8, "cpu", torch.float32)
+    assert inputs.values["cu_seqlens"].shape == (9,)
+    replay = model.prepare_encoder_cudagraph_replay_buffers(
+        {"pixel_values": pixel_values, "image_grid_thw": grid}, 4, 8
+    )
+    assert torch.equal(replay.values["pixel_values"], pixel_values)
+    with torch.no_grad(), force_backend("torch"):
+        assert torch.equal(model.encoder_cudagraph_forward(replay.values), visual.forward.graph_forward(replay.values))
+    del visual.forward
+    assert model.get_encoder_cudagraph_config() is vllm_config
+
+
 def test_mismatches_leave_vllm_tower():
     hf_model = hf_vision_model(seed=1)
     family = family_of(hf_model.config.model_type)
