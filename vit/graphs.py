@@ -41,6 +41,7 @@ __all__ = [
     "PaddedBatch",
     "TowerGraphs",
     "check_budgets",
+    "cover_pad_rows",
     "pad_batch",
     "pad_grid",
     "pad_offsets",
@@ -141,6 +142,17 @@ def pad_offsets(offsets: torch.Tensor, length: int) -> torch.Tensor:
     """``offsets`` ``(S + 1,)`` extended to ``(length,)`` by repeating its last value (zero-length segments),
     on its own device and without reading its values (no sync)."""
     return torch.cat([offsets, offsets[-1:].expand(length - offsets.shape[0])])
+
+
+def cover_pad_rows(offsets: torch.Tensor, num_tokens: int, spatial_merge_size: int) -> torch.Tensor:
+    """``offsets`` (segment offsets ending at some T <= ``num_tokens``) followed by pad segments of
+    ``PAD_FRAME_UNITS * spatial_merge_size**2`` tokens covering rows ``T..num_tokens`` (zero-length once they
+    reach it), computed on the device with no sync: for buffers padded by someone else (vLLM's encoder graphs
+    zero-fill rows past a batch), so every row lies in a segment, as the attention ops require, and the pad's
+    attention stays linear in its length."""
+    size = PAD_FRAME_UNITS * spatial_merge_size**2
+    steps = torch.arange(1, -(-num_tokens // size) + 1, dtype=offsets.dtype, device=offsets.device) * size
+    return torch.cat([offsets, torch.clamp(offsets[-1:] + steps, max=num_tokens)])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

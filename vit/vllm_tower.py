@@ -45,7 +45,7 @@ from vllm.logger import init_logger
 from .engine_tower import EngineTowerForward, features_of, shared_mismatch
 from .families import Family, config_from_hf
 from .families import vllm_architectures as family_architectures
-from .graphs import pad_grid, pad_offsets
+from .graphs import cover_pad_rows, pad_grid, pad_offsets
 from .layers import Product
 from .metadata import DeviceInputs, check_grid, grid_as_numpy
 from .parallel import DataParallel, SingleProcess
@@ -220,9 +220,10 @@ class QvlTowerForward(EngineTowerForward):
     static buffers: the pixel values and the runner's device inputs (:class:`~qvl.vit.metadata.DeviceInputs`).
     vLLM captures :meth:`graph_forward` per token budget and before each replay copies a batch's buffers
     (:meth:`replay_values`) into the captured ones, zero-filling the rows past the batch; the segment offsets are
-    filled with their last value instead (zero-length segments). The rows past the batch then belong to no
-    attention segment and every other op works per token or per merge block, so they never reach the batch's
-    rows, which vLLM reads back. Calls with ``encoder_metadata`` (vLLM's own metadata, from a path that did not go
+    filled with their last value instead (zero-length segments), and the captured forward appends pad segments
+    over the rows past the batch (:func:`~qvl.vit.graphs.cover_pad_rows`). Attention stays within segments and
+    every other op works per token or per merge block, so the pad rows never reach the batch's rows, which vLLM
+    reads back. Calls with ``encoder_metadata`` (vLLM's own metadata, from a path that did not go
     through :class:`_QvlEncoderGraphs`) run vLLM's own forward.
     """
 
@@ -280,6 +281,10 @@ class QvlTowerForward(EngineTowerForward):
         count("tower")
         pixels = values["pixel_values"]
         fields = {name: values.get(name) for name in DeviceInputs._fields if name != "max_seqlen"}
+        merge = self.runner.config.spatial_merge_size
+        for name in ("cu_seqlens", "cu_window_seqlens"):
+            if fields[name] is not None:
+                fields[name] = cover_pad_rows(fields[name], pixels.shape[0], merge)
         outputs = self.runner.run_device(pixels, DeviceInputs(**fields, max_seqlen=pixels.shape[0]))
         return features_of(outputs.merged, outputs.deepstack)
 

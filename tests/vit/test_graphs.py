@@ -14,7 +14,15 @@ import torch
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer
-from qvl.vit.graphs import PAD_FRAME_UNITS, SMALL_FRAME_SLOTS, pad_batch, pad_grid, pad_pixels, segment_slots
+from qvl.vit.graphs import (
+    PAD_FRAME_UNITS,
+    SMALL_FRAME_SLOTS,
+    cover_pad_rows,
+    pad_batch,
+    pad_grid,
+    pad_pixels,
+    segment_slots,
+)
 
 # Two images and a two-frame video: 112 tokens (28 merged) in 4 frames; with window_size 56 (2 x 2 merge blocks)
 # the 6 x 10 image leaves partial windows.
@@ -235,6 +243,13 @@ def test_default_slots_fit_every_batch_of_frames_no_smaller_than_a_pad_frame():
             assert int(np.prod(padded, axis=1).sum()) == budget and padded[:, 0].sum() <= slots
     tower = family("qwen3_vl")[0]
     assert pad_batch(tower, GRID, 512).inputs().max_seqlen == 512
+
+
+def test_cover_pad_rows_puts_every_row_in_a_segment():
+    offsets = torch.tensor([0, 24, 28], dtype=torch.int32)
+    covered = cover_pad_rows(offsets, 200, 2)
+    assert covered.dtype == torch.int32 and covered.tolist() == [0, 24, 28, 92, 156, 200, 200]
+    assert cover_pad_rows(torch.tensor([0, 64], dtype=torch.int32), 64, 2).tolist() == [0, 64, 64]
 
 
 def test_batches_the_budgets_do_not_serve_take_the_normal_path(monkeypatch):

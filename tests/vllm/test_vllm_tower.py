@@ -158,6 +158,30 @@ def test_model_classes_hand_vllm_graphs_qvl_buffers(monkeypatch):
     assert model.get_encoder_cudagraph_config() is vllm_config
 
 
+def test_data_mode_under_encoder_graphs_leaves_the_split_to_vllm(monkeypatch):
+    """With vLLM's encoder CUDA graphs on, vLLM's graph manager splits a data-mode batch over the ranks itself and
+    calls the tower with each rank's share: qvl's tower then encodes what it is given (no balancer, no collective)
+    and the model keeps vLLM's split."""
+    hf_model = hf_vision_model(seed=3)
+    model = object.__new__(vllm_tower.Qwen3VLForConditionalGeneration)
+    torch.nn.Module.__init__(model)
+    model.visual = vllm_tower_of(hf_model, torch.float32)
+    model.use_data_parallel = True
+    config = model_config_of(hf_model.config)
+    config.compilation_config.cudagraph_mm_encoder = True
+    monkeypatch.setattr(vllm_tower, "get_tensor_model_parallel_world_size", lambda: 2)
+    vllm_tower.attach(model, config, family_of(hf_model.config.model_type))
+    forward = model.visual.forward
+    assert isinstance(forward, vllm_tower.QvlTowerForward) and model.use_data_parallel
+    assert type(forward.strategy).__name__ == "SingleProcess"
+    assert vllm_routes.towers()[-1] == {
+        "model": "Qwen3VLForConditionalGeneration",
+        "split": "data",
+        "compiled": False,
+        "encoder_graphs": True,
+    }
+
+
 def test_mismatches_leave_vllm_tower():
     hf_model = hf_vision_model(seed=1)
     family = family_of(hf_model.config.model_type)
