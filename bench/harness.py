@@ -170,6 +170,20 @@ def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int =
     return Timing(statistics.median(times), cuts[0], cuts[-1])
 
 
+def cuda_kernel_ms(run: Callable[[], Any]) -> float:
+    """Milliseconds of GPU kernel time in one ``run()`` (after a warm-up call), from the profiler: the sum of every
+    CUDA kernel's duration, whatever the host did around them."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA) / 1e3
+
+
 # CPU GEMM and attention kernels as the profiler names them (self time: the wrappers above them hold none of it).
 CPU_GEMM_OPS = frozenset({"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"})
 CPU_ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})

@@ -7,6 +7,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -217,6 +218,19 @@ def test_tower_flops_counts_the_8b_tower() -> None:
     patch_embed = 2 * t * 1536 * c
     config = bench_tower.TOWERS["8B"]
     assert bench_tower.tower_flops(config, [(1, 64, 64)]) == patch_embed + blocks + mergers
+
+
+def test_tower_replay_budgets_hold_every_gpu_workload() -> None:
+    """The replayed tower's budgets: each GPU workload fits one of them with less than REPLAY_BUDGET_STEP tokens
+    of pad, and the replay row is never run for a training step."""
+    gpu = SimpleNamespace(is_cuda=True)
+    budgets = bench_tower.replay_budgets(gpu)
+    assert budgets == [4096, 8192, 16384]
+    for workload in bench_tower.workloads(gpu):
+        tokens = sum(t * h * w for t, h, w in workload.grid_thw)
+        fit = min(b for b in budgets if b >= tokens)
+        assert fit - tokens < bench_tower.REPLAY_BUDGET_STEP, workload.name
+    assert {"qvl replayed", "hf sdpa compiled"} <= bench_tower.FORWARD_ONLY
 
 
 def test_window_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
