@@ -40,9 +40,11 @@ def run_cpu(module, tmp_path: Path, capsys) -> tuple[dict, str]:
     return json.loads(path.read_text()), capsys.readouterr().out
 
 
-def check_records(data: dict, expected: set[tuple[str, str]], baseline: str, reference: str = "qvl") -> None:
+def check_records(
+    data: dict, expected: set[tuple[str, str]], baseline: str, reference: str = "qvl", unchecked: tuple[str, ...] = ()
+) -> None:
     """Exactly the expected (case, impl) rows, with finite positive numbers; errors are measured
-    against ``reference``, which has none of its own."""
+    against ``reference``, which has none of its own, as have the ``unchecked`` rows (a copy computes nothing)."""
     assert {(r["case"], r["impl"]) for r in data["records"]} == expected
     for r in data["records"]:
         for key in ("ms", "ms_lo", "ms_hi", "work", "rate", "speedup"):
@@ -51,7 +53,7 @@ def check_records(data: dict, expected: set[tuple[str, str]], baseline: str, ref
         assert r["baseline"] == baseline
         assert r["share"] is None  # no peaks for a CPU
         assert r["agrees"], r
-        if r["impl"] == reference:
+        if r["impl"] == reference or r["impl"] in unchecked:
             assert r["max_rel_err"] is None
         else:
             assert math.isfinite(r["max_rel_err"]) and r["max_rel_err"] >= 0
@@ -132,18 +134,24 @@ def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     data, out = run_cpu(bench_merger, tmp_path, capsys)
     check_meta(data, "merger")
     all_cases = bench_merger.cases(CPU, quick=True)
-    assert {c.op for c in all_cases} == {"layer_norm", "add_layer_norm", "bias_gelu", "merger"}
+    ops = {"layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "bias_swiglu", "merger"}
+    assert {c.op for c in all_cases} == ops
+    assert {c.variant for c in all_cases if c.op == "bias_gelu"} == {"tanh", "none", "quick"}
     expected = set()
     for case in all_cases:
         impls = ("qvl", "qvl in-place", "eager") if case.op == "bias_gelu" else ("qvl", "eager")
+        impls += ("copy",) if case.op != "merger" else ()
         expected |= {(case.name, impl) for impl in impls}
-    check_records(data, expected, baseline="eager")
+    check_records(data, expected, baseline="eager", unchecked=tuple(bench_merger.BANDWIDTH_PEERS))
     assert data["skipped"]["compiled"] == "CPU run: torch paths only"
     units = {c.name: "TFLOP/s" if c.op == "merger" else "GB/s" for c in all_cases}
     assert all(r["unit"] == units[r["case"]] for r in data["records"])
     norm = next(c for c in all_cases if c.op == "layer_norm")
     norm_work = 2 * norm.rows * norm.cols * 2 + 2 * norm.cols * 2  # x read, y written, weight and bias (bf16)
     assert {r["work"] for r in data["records"] if r["case"] == norm.name} == {norm_work}
+    swiglu = next(c for c in all_cases if c.op == "bias_swiglu")
+    swiglu_work = 3 * swiglu.rows * swiglu.cols * 2 + 2 * swiglu.cols * 2  # gate and up read, y written, two biases
+    assert {r["work"] for r in data["records"] if r["case"] == swiglu.name} == {swiglu_work}
     # Rows of both units share one table: each rate carries its unit.
     assert re.search(r"\sGB/s\s", out) and re.search(r"\sTFLOP/s\s", out)
     check_table_last(out, all_cases[-1].name, "eager")

@@ -84,7 +84,9 @@ def test_qwen3_vl_fp32_tower_route_through_the_interpreter(engine):
     assert worker["qvl"]["state"]["tower_architectures"], worker["qvl"]["state"]
     assert worker["triton_interpret"] == "1"
     assert worker["qvl"]["counts"]["tower"] > 0 and worker["qvl"]["counts"]["tower_fallback"] == 0
-    assert worker["qvl"]["towers"] == [{"model": "Qwen3VLForConditionalGeneration", "split": None, "compiled": False}]
+    assert worker["qvl"]["towers"] == [
+        {"model": "Qwen3VLForConditionalGeneration", "split": None, "compiled": False, "encoder_graphs": False}
+    ]
 
 
 @SHARES_FP32_BASELINE
@@ -132,4 +134,6 @@ def test_qwen2_family_tower_route(engine, family, architecture):
     assert_same_tokens(result, baseline, f"{architecture} fp32, qvl tower")
     (worker,) = result["worker_info"]
     assert worker["qvl"]["counts"]["tower"] > 0 and worker["qvl"]["counts"]["tower_fallback"] == 0, worker["qvl"]
-    assert worker["qvl"]["towers"] == [{"model": architecture, "split": None, "compiled": False}]
+    assert worker["qvl"]["towers"] == [
+        {"model": architecture, "split": None, "compiled": False, "encoder_graphs": False}
+    ]
