@@ -12,8 +12,8 @@ launch queue never fills and the loop measures the host. Implementations per op:
 * ``qvl``: ``torch.ops.qvl.<op>``, launching through qvl's fast launch path;
 * ``qvl triton-launch``: the same with the fast path off (:func:`qvl.kernels.common.set_fast_launch`), every
   launch through Triton's ``kernel[grid](...)``: the A/B of the fast path;
-* ``qvl body``: the op's Python implementation called directly, as a function: what the dispatcher and
-  torch.library's wrappers add is ``qvl`` minus this;
+* ``qvl direct``: the op's body called as a function (:mod:`qvl.kernels.direct`), as the towers' layers call it in
+  eager inference: what the dispatcher and torch.library's wrappers add is ``qvl`` minus this;
 * ``torch``: torch's own equivalent (``F.layer_norm``, ``F.rms_norm``, ``F.gelu(x + b)``, ``F.silu(g + gb) * (u +
   ub)``, a transformers-style rotary on precomputed cos/sin, a gather-and-add for the position table,
   ``F.scaled_dot_product_attention`` for attention), the baseline; ``varlen_attn`` too for attention where torch
@@ -25,7 +25,6 @@ Needs CUDA: on a CPU nothing is timed (the report says so).
 from __future__ import annotations
 
 import gc
-import importlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
-from qvl.kernels import common
+from qvl.kernels import common, direct
 
 from . import harness
 from .harness import Device, Report, RunConfig, Timing
@@ -75,23 +74,6 @@ def host_timing(call: Call, rounds: int, fast_launch: bool = True) -> Timing:
             gc.enable()
     deciles = statistics.quantiles(samples, n=10)
     return Timing(statistics.median(samples), deciles[1], deciles[7])
-
-
-def body(op_name: str) -> Call | None:
-    """The Python function torch.library registered as ``qvl::<op_name>`` (None where torch keeps it elsewhere)."""
-    module = {
-        "layer_norm": "layer_norm",
-        "add_layer_norm": "layer_norm",
-        "rms_norm": "rms_norm",
-        "add_rms_norm": "rms_norm",
-        "bias_gelu": "gelu",
-        "bias_swiglu": "swiglu",
-        "rotary_2d": "rotary",
-        "pos_embed_interp_add_": "pos_embed",
-        "vision_attn": "attention.forward",
-    }[op_name]
-    custom_op = getattr(importlib.import_module(f"qvl.kernels.{module}"), op_name)
-    return getattr(custom_op, "_init_fn", None)
 
 
 def rotate_half_rotary(q, k, cos, sin):
@@ -174,11 +156,8 @@ def benchmark(config: RunConfig) -> Report:
             "qvl": (lambda op=op, args=args: op(*args), True),
             "qvl triton-launch": (lambda op=op, args=args: op(*args), False),
         }
-        function = body(name)
-        if function is None:
-            report.skipped[f"qvl body ({name})"] = "torch.library keeps no _init_fn"
-        else:
-            impls["qvl body"] = (lambda function=function, args=args: function(*args), True)
+        function = getattr(direct, name)
+        impls["qvl direct"] = (lambda function=function, args=args: function(*args), True)
         impls["torch"] = (torch_call, True)
         if name == "vision_attn":
             try:

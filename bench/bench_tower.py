@@ -405,7 +405,7 @@ def benchmark(config: RunConfig) -> Report:
         reference = randomize(hf_tower(tower_config, device, dtype, "sdpa"))
         trial = make_inputs(tower_config, ((1, 4, 4),), device, dtype)
         builders = {name: partial(build, device, reference) for name, build in PEERS.items()}
-        peers, skipped = harness.peers(builders, partial(run_trial, x=trial))
+        peers, skipped = harness.peers(builders, partial(run_trial, x=trial), config.skip)
         report.skipped.update(skipped)
         ready = {**peers, REFERENCE: hf_impl(reference)}
         impls = {name: ready[name] for name in ORDER if name in ready}

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The one prepared call for a lent GPU machine: bash bench/device_check.sh [--attention | --full]   (default: quick)
-#
+# The one prepared call for a lent GPU machine: bash bench/device_check.sh [--attention | --tower | --full]
+#                                                                                                (default: quick)
 # --attention (under ~5 minutes): the attention phases alone: device, tile sweep, the attention CUDA tests (guard
 # bands on the device included), memcheck, and the attention forward and forward + backward benchmarks (flex_attention
-# left out: it compiles for every shape). The default runs every phase with the benchmarks' quick cases.
+# left out: it compiles for every shape).
+# --tower (under ~5 minutes; issue 31): device, the tower's CUDA tests (graph replay, sync-free forward, fast
+# launches, the direct calls), then each benchmark under its own timeout, most wanted first: host time per op, the
+# whole tower (quick: the 8B tower; eager, replayed and transformers + SDPA eager: the compiled towers take minutes
+# to compile, the default and --full runs have them), the bandwidth kernels and mergers, rotary, the position table.
+# No tile sweep and no memcheck: the packaged tile table is used.
+# The default runs every phase with the benchmarks' quick cases.
 #
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
 # Phases, each under its own timeout so that one hang cannot spend the lease (at most 7.5 minutes in all, so that a
@@ -29,7 +35,10 @@ export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYT
 quick=--quick
 mode="${1:-}"
 [ "$mode" = "--full" ] && quick=
-case "$mode" in ""|--full|--attention) ;; *) echo "usage: bash bench/device_check.sh [--attention | --full]" >&2; exit 2 ;; esac
+case "$mode" in
+  ""|--full|--attention|--tower) ;;
+  *) echo "usage: bash bench/device_check.sh [--attention | --tower | --full]" >&2; exit 2 ;;
+esac
 started=$SECONDS
 ship() {
   [ -n "${OUT:-}" ] || return 0
@@ -50,6 +59,23 @@ phase device
   echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
 } 2>&1 | tee "$out/device.txt"
 
+if [ "$mode" = "--tower" ]; then
+  phase "CUDA tests"
+  timeout 75 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
+    tests/kernels/test_fast_launch.py tests/vit/test_graphs.py tests/vit/test_model.py \
+    -k "cuda or gpu or direct" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  : > "$out/bench.log"
+  # The compiled towers (qvl's and transformers') are left out: compiling them takes minutes; the default and
+  # --full runs time them.
+  for bench in host:40 tower:120 merger:50 rotary:20 pos_embed:20; do
+    phase "benchmark ${bench%%:*}"
+    timeout "${bench##*:}" python3 -m bench --quick --dtype bf16 --json-dir "$out" --only "${bench%%:*}" \
+      --skip "qvl compiled,hf sdpa compiled" 2>&1 | tee -a "$out/bench.log" | tail -40
+  done
+  phase done
+  exit 0
+fi
+
 phase "tile sweep"
 timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&1 | tee "$out/tune.log" | tail -12
 cp kernels/attention_tiles.json "$out/attention_tiles.json"
@@ -59,7 +85,8 @@ tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
 [ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
 # shellcheck disable=SC2086
 timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
-  -k "(gpu or cuda or bf16 or int64 or peak or guard_bands) and not cuda_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
+  | tee "$out/gpu_tests.log" | tail -15
 
 phase memcheck
 if command -v compute-sanitizer >/dev/null; then

@@ -288,16 +288,21 @@ T = TypeVar("T")
 
 
 def peers(
-    builders: Mapping[str, Callable[[], T]], trial: Callable[[T], object] | None = None
+    builders: Mapping[str, Callable[[], T]],
+    trial: Callable[[T], object] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, T], dict[str, str]]:
-    """Build each peer and run ``trial`` on it once: returns (the peers that ran, {name: why not}).
+    """Build each peer and run ``trial`` on it once: returns (the peers that ran, {name: why not}); those named in
+    ``skip`` are not built, with that reason.
 
     Which peers exist depends on the device, the installed packages and their versions, so a failure
     here is a reason to report, not an error.
     """
     ready: dict[str, T] = {}
-    skipped: dict[str, str] = {}
+    skipped: dict[str, str] = {name: "left out (--skip)" for name in builders if name in skip}
     for name, build in builders.items():
+        if name in skip:
+            continue
         try:
             impl = build()
             if trial is not None:
@@ -317,9 +322,9 @@ def device_peers(
 ) -> tuple[dict[str, Callable[[T], Callable[[], object]]], dict[str, str]]:
     """:func:`peers` for a benchmark module's ``PEERS``: each built for ``device`` and run once on
     ``trial_inputs``; those named in ``skip`` are left out, with that reason."""
-    kept = {name: partial(build, device) for name, build in builders.items() if name not in skip}
-    found, skipped = peers(kept, lambda bind: bind(trial_inputs)())
-    return found, {**skipped, **{name: "left out (--skip)" for name in builders if name in skip}}
+    return peers(
+        {name: partial(build, device) for name, build in builders.items()}, lambda bind: bind(trial_inputs)(), skip
+    )
 
 
 def reason(exc: Exception) -> str:
@@ -422,6 +427,8 @@ class Report:
         )  # fmt: skip
         self.records.append(record)
         self._set_speedups(case)
+        # Each row as it is measured: a run cut short (a device lease's limit) still shows the rows it finished.
+        print(f"  {impl}: {timing.ms:.4g} ms ({rate:.4g} {unit}){f'; {note}' if note else ''}", flush=True)
         return record
 
     def _set_speedups(self, case: str) -> None:

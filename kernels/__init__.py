@@ -10,8 +10,9 @@ and swiglu have a backward (``torch.library.register_autograd``, itself a custom
 in-place ops refuse gradients. ``tiles`` holds what two families share (Triton device functions, the
 row-wise epilogues' tiles, the backward's partial-sum reduction); ``common`` chooses the path each call takes
 (the autograd routing included) and checks arguments; ``torch_path`` holds the ops' CPU path (torch's fused
-attention, the rotary once per q and k) as functions torch.compile traces into, and :func:`ops_for` picks them or
-the custom ops for a device. Single-device ops only: composing them into layers,
+attention, the rotary once per q and k) as functions torch.compile traces into, ``direct`` the ops' bodies for eager
+inference on the Triton paths (no dispatcher), and :func:`ops_for` picks one of them or the custom ops for a
+device. Single-device ops only: composing them into layers,
 and distributing them, is :mod:`qvl.vit`'s business.
 """
 

@@ -53,6 +53,7 @@ __all__ = [
     "ADA",
     "BACKENDS",
     "TORCH_BACKENDS",
+    "TRITON_BACKENDS",
     "FMA_CONTRACTION",
     "HOPPER",
     "INTERPRETER",
@@ -85,6 +86,8 @@ __all__ = [
 BACKENDS = ("triton", "interpreter", "torch", "reference")
 # The paths that run pure torch, with no Triton kernel.
 TORCH_BACKENDS = ("torch", "reference")
+# The paths that run the Triton kernels (compiled, or in the interpreter).
+TRITON_BACKENDS = ("triton", "interpreter")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Launch option of every kernel that may contract a * b + c into one FMA. Triton turned that on by default
 # until 3.9, which warns that 3.10 turns it off: asking for it keeps results and speed the same whatever

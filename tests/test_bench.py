@@ -6,6 +6,7 @@ import json
 import math
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +30,7 @@ from bench import (  # noqa: E402
     run_all,
 )
 from bench.workloads import label  # noqa: E402
+from qvl.kernels import direct  # noqa: E402
 from qvl.kernels.attention import head_dim_tiles  # noqa: E402
 
 CPU = harness.get_device("cpu")
@@ -218,6 +220,23 @@ def test_tower_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check_table_last(out, training[-1].name, "hf sdpa")
 
 
+def test_peers_skip_leaves_peers_unbuilt() -> None:
+    """--skip's peers are never built (a compiled tower would take minutes); a failing build is a reason, not an
+    error."""
+    built = []
+
+    def build(name: str) -> str:
+        built.append(name)
+        if name == "broken":
+            raise RuntimeError("no such backend")
+        return name
+
+    builders = {name: partial(build, name) for name in ("kept", "left", "broken")}
+    ready, skipped = harness.peers(builders, skip=frozenset({"left"}))
+    assert ready == {"kept": "kept"} and built == ["kept", "broken"]
+    assert skipped == {"left": "left out (--skip)", "broken": "RuntimeError: no such backend"}
+
+
 def test_tower_flops_counts_the_8b_tower() -> None:
     """A 64x64-patch image on the 8B tower, counted by hand from the model's shapes."""
     t, c, inter, out, heads = 4096, 1152, 4304, 4096, 16
@@ -335,7 +354,7 @@ def test_host_parses_its_arguments_and_needs_cuda(tmp_path: Path, capsys: pytest
 
 
 def test_host_cases_call_each_op_and_its_torch_equivalent() -> None:
-    """Every case's arguments fit its op (run here on the torch path), its op's Python body, and torch's call."""
+    """Every case's arguments fit its op (run here on the torch path), its direct call, and torch's call."""
     cases = bench_host.cases(CPU, torch.bfloat16)
     assert set(cases) == {
         "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "bias_swiglu", "rotary_2d",
@@ -344,5 +363,5 @@ def test_host_cases_call_each_op_and_its_torch_equivalent() -> None:
     with harness.qvl_path(CPU):
         for name, (args, torch_call) in cases.items():
             getattr(torch.ops.qvl, name)(*args)
-            bench_host.body(name)(*args)
+            getattr(direct, name)(*args)
             torch_call()

@@ -1,0 +1,64 @@
+"""The ops' own bodies as plain functions, for eager inference on the Triton paths (issue 31's host time).
+
+A call through ``torch.ops.qvl.<op>`` crosses the dispatcher twice (qvl's autograd router, then the backend kernel
+torch.library registered), boxing every argument each way: on the host that doubles the cost of a small call (a
+``(1, 8)`` LayerNorm on a CPU: 15-20 µs through the op, 7-9 µs as its body, ``bench/results/host-cpu-20261204``).
+In eager inference nothing below the dispatcher is wanted: no gradient is recorded, no mode intercepts the call,
+nothing traces it. This module holds the functions torch.library registered for each op (argument checks,
+path choice and launch, exactly as the op runs them), under the ops' names; :func:`~qvl.kernels.ops_for` hands
+them to the towers' layers in that case only, and ``torch.ops.qvl`` everywhere else (grad mode, torch.compile,
+a dispatch mode such as FakeTensorMode). Where the installed torch keeps no body for an op, its name here is the
+op itself, so a call is never wrong, only not cheaper (``tests/kernels/test_torch_path.py`` checks that every
+body is found).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .attention.forward import vision_attn as _vision_attn
+from .gelu import bias_gelu as _bias_gelu
+from .gelu import bias_gelu_ as _bias_gelu_
+from .layer_norm import add_layer_norm as _add_layer_norm
+from .layer_norm import layer_norm as _layer_norm
+from .pos_embed import pos_embed_interp as _pos_embed_interp
+from .pos_embed import pos_embed_interp_add_ as _pos_embed_interp_add_
+from .rms_norm import add_rms_norm as _add_rms_norm
+from .rms_norm import rms_norm as _rms_norm
+from .rotary import rotary_2d as _rotary_2d
+from .rotary import rotary_2d_ as _rotary_2d_
+from .swiglu import bias_swiglu as _bias_swiglu
+
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "bias_gelu",
+    "bias_gelu_",
+    "bias_swiglu",
+    "layer_norm",
+    "pos_embed_interp",
+    "pos_embed_interp_add_",
+    "rms_norm",
+    "rotary_2d",
+    "rotary_2d_",
+    "vision_attn",
+]
+
+
+def body(op: Callable) -> Callable:
+    """The Python function torch.library registered as ``op``'s implementation, or ``op`` where it keeps none."""
+    return getattr(op, "_init_fn", None) or op
+
+
+add_layer_norm = body(_add_layer_norm)
+add_rms_norm = body(_add_rms_norm)
+bias_gelu = body(_bias_gelu)
+bias_gelu_ = body(_bias_gelu_)
+bias_swiglu = body(_bias_swiglu)
+layer_norm = body(_layer_norm)
+pos_embed_interp = body(_pos_embed_interp)
+pos_embed_interp_add_ = body(_pos_embed_interp_add_)
+rms_norm = body(_rms_norm)
+rotary_2d = body(_rotary_2d)
+rotary_2d_ = body(_rotary_2d_)
+vision_attn = body(_vision_attn)

@@ -1,0 +1,97 @@
+"""qvl.kernels.direct, the ops' bodies that eager inference on the Triton paths calls without the dispatcher: what
+ops_for hands out where, the same bits and the same argument errors as the ops, and torch.compile or a dispatch
+mode still seeing the ops."""
+
+import pytest
+import torch
+from test_attention import cu_seqlens_of, packed_qkv
+from torch._library.custom_ops import CustomOpDef
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from conftest import DEVICE, norm_params
+from qvl.kernels import direct, force_backend, ops_for, torch_path
+from qvl.kernels.common import TRITON_BACKENDS, backend_for
+
+# The kernel tests' device: the Triton kernels compiled on a GPU, interpreted on a CPU.
+TRITON_DEVICE = torch.device(DEVICE)
+pytestmark = pytest.mark.skipif(
+    backend_for(TRITON_DEVICE) not in TRITON_BACKENDS, reason="no Triton path here: a CPU needs TRITON_INTERPRET=1"
+)
+
+
+def test_every_op_has_its_body():
+    """On the installed torch each name is the registered Python function, not the op (which would work, through
+    the dispatcher, but save nothing)."""
+    for name in direct.__all__:
+        function = getattr(direct, name)
+        assert not isinstance(function, CustomOpDef) and callable(function), name
+        assert function.__name__ == name, name
+
+
+def test_ops_for_gives_the_bodies_to_eager_inference_only():
+    with torch.no_grad():
+        assert ops_for(TRITON_DEVICE) is direct
+    with torch.inference_mode():
+        assert ops_for(TRITON_DEVICE) is direct
+    with torch.enable_grad():
+        assert ops_for(TRITON_DEVICE) is torch.ops.qvl
+    with torch.no_grad(), FakeTensorMode():
+        assert ops_for(TRITON_DEVICE) is torch.ops.qvl
+    with force_backend("reference"), torch.no_grad():
+        assert ops_for(TRITON_DEVICE) is torch.ops.qvl
+    with force_backend("torch"), torch.no_grad():
+        assert ops_for(TRITON_DEVICE) is torch_path
+
+
+def test_bodies_equal_the_ops():
+    """The same kernels on the same arguments: bit for bit, in-place ops included."""
+    torch.manual_seed(0)
+    x, delta = (torch.randn(9, 40, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    weight, bias = norm_params(40, torch.float16, DEVICE)
+    lengths = [5, 0, 17, 1]
+    q, k, v = packed_qkv(sum(lengths), 2, 24, torch.float16, DEVICE, seed=1)
+    cu = cu_seqlens_of(lengths, DEVICE)
+    positions = torch.randint(0, 9, (sum(lengths), 2), dtype=torch.int32, device=DEVICE)
+    calls = {
+        "layer_norm": (x, weight, bias, 1e-6),
+        "add_layer_norm": (x, delta, weight, bias, 1e-6),
+        "rms_norm": (x, weight, 1e-6),
+        "bias_gelu": (x, bias, "tanh"),
+        "bias_swiglu": (x, delta, bias, weight),
+    }
+    with torch.no_grad():
+        for name, args in calls.items():
+            torch.testing.assert_close(
+                getattr(direct, name)(*args), getattr(torch.ops.qvl, name)(*args), rtol=0, atol=0
+            )
+        got = direct.vision_attn(q, k, v, cu, max_seqlen=17, positions=positions)
+        torch.testing.assert_close(got, torch.ops.qvl.vision_attn(q, k, v, cu, 17, None, positions), rtol=0, atol=0)
+        in_place, expected = x.clone(), x.clone()
+        direct.bias_gelu_(in_place, bias, "none")
+        torch.ops.qvl.bias_gelu_(expected, bias, "none")
+        assert torch.equal(in_place, expected)
+
+
+def test_bodies_check_their_arguments():
+    """The op's checks are in its body: the direct call names the argument as the op does."""
+    x = torch.randn(4, 8, device=DEVICE)
+    weight, bias = norm_params(8, torch.float32, DEVICE)
+    with torch.no_grad(), pytest.raises(ValueError, match="layer_norm: weight"):
+        direct.layer_norm(x, weight[:4], bias, 1e-6)
+    with torch.no_grad(), pytest.raises(TypeError, match="bias_gelu: bias"):
+        direct.bias_gelu(x, bias.half(), "none")
+
+
+def test_compiled_callers_see_the_ops():
+    """Traced, ops_for's choice is the custom ops: a fullgraph compile of an inference step on the Triton path
+    (which could not trace a body's launch) holds one graph and gives the eager bits."""
+    weight, bias = norm_params(16, torch.float32, DEVICE)
+
+    def step(x):
+        ops = ops_for(x.device)
+        return ops.bias_gelu(ops.layer_norm(x, weight, bias, 1e-6), bias, "none")
+
+    x = torch.randn(6, 16, device=DEVICE)
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x), step(x))
