@@ -1,32 +1,34 @@
 #!/usr/bin/env bash
 # The one prepared call for a lent GPU machine: bash bench/device_check.sh [--attention | --tower | --full]
-#                                                                                                (default: quick)
-# --attention (under ~5 minutes): the attention phases alone: device, tile sweep, the attention CUDA tests (guard
-# bands on the device included), memcheck, and the attention forward and forward + backward benchmarks (flex_attention
-# left out: it compiles for every shape).
-# --tower (under ~5 minutes; issue 31): device, the tower's CUDA tests (graph replay, sync-free forward, fast
-# launches, the direct calls), then each benchmark under its own timeout, most wanted first: host time per op, the
-# whole tower (quick: the 8B tower; eager, replayed and transformers + SDPA eager: the compiled towers take minutes
-# to compile, the default and --full runs have them), the bandwidth kernels and mergers, rotary, the position table.
-# No tile sweep and no memcheck: the packaged tile table is used.
-# The default runs every phase with the benchmarks' quick cases.
 #
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
-# Phases, each under its own timeout so that one hang cannot spend the lease (at most 7.5 minutes in all, so that a
-# 15-minute lease holds its start and one rerun):
+# Every step runs under its own timeout, so that one hang cannot spend the lease.
+#
+# default (at most 7.5 minutes, so that a 15-minute lease holds its start and one rerun):
 #   1. device, driver, versions, commit                                                   device.txt
 #   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 40); it writes
 #      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
 #   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
-#      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory  gpu_tests.log
+#      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls
+#                                                                                           gpu_tests.log
 #   4. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
-#   5. every GPU benchmark, with plots (python -m bench; not bench_cpu, whose subject is a CPU) *.json, *.png, bench.log
+#   5. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
+#      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
+#   6. the plots of the whole run (bench.plot)                                               *.png
+# --attention (under ~5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
+#   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
+# --tower (under ~5 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
+#   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
+#   SDPA eager), the bandwidth kernels and mergers, rotary, the position table. No tile sweep, no memcheck.
+# --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/. Under the device tool ($OUT set: at most 8 files come back)
 # that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
-# phase: a run cut short by the tool's limit still brings back the phases it finished.
+# step: a run cut short by the tool's limit still brings back the steps it finished, and a benchmark cut by its
+# timeout the rows it printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stamp="run-$(date -u +%Y%m%d-%H%M)"
+bench_stamp="$(date -u +%Y%m%d-%H%M%S)"
+stamp="run-${bench_stamp%??}"
 out="bench/results/$stamp"
 mkdir -p "$out"
 shim="$(mktemp -d)"
@@ -48,6 +50,18 @@ ship() {
   return 0
 }
 phase() { ship; echo "=== $1 (at $((SECONDS - started)) s)"; }
+# bench NAME SECONDS [ARGS...]: one benchmark module under its own timeout, appending to bench.log, so that a slow one
+# cannot starve those after it (each prints its rows as it measures them: a cut one keeps what it finished).
+bench() {
+  local name="$1" seconds="$2"
+  shift 2
+  phase "benchmark $name"
+  timeout "$seconds" python3 -m bench $quick --dtype bf16 --json-dir "$out" --stamp "$bench_stamp" --only "$name" \
+    "$@" 2>&1 | tee -a "$out/bench.log" | tail -40
+}
+: > "$out/bench.log"
+# Compiling qvl's and transformers' towers takes minutes: only --full times them.
+compiled_towers=(--skip "qvl compiled,hf sdpa compiled")
 
 phase device
 {
@@ -59,38 +73,29 @@ phase device
   echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
 } 2>&1 | tee "$out/device.txt"
 
-if [ "$mode" = "--tower" ]; then
+tower_tests() {
   phase "CUDA tests"
   timeout 75 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
     tests/kernels/test_fast_launch.py tests/vit/test_graphs.py tests/vit/test_model.py \
     -k "cuda or gpu or direct" 2>&1 | tee "$out/gpu_tests.log" | tail -15
-  : > "$out/bench.log"
-  # The compiled towers (qvl's and transformers') are left out: compiling them takes minutes; the default and
-  # --full runs time them.
-  for bench in host:40 tower:120 merger:50 rotary:20 pos_embed:20; do
-    phase "benchmark ${bench%%:*}"
-    timeout "${bench##*:}" python3 -m bench --quick --dtype bf16 --json-dir "$out" --only "${bench%%:*}" \
-      --skip "qvl compiled,hf sdpa compiled" 2>&1 | tee -a "$out/bench.log" | tail -40
-  done
-  phase done
-  exit 0
-fi
+}
 
-phase "tile sweep"
-timeout 70 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-40}" 2>&1 | tee "$out/tune.log" | tail -12
-cp kernels/attention_tiles.json "$out/attention_tiles.json"
+kernel_checks() {
+  phase "tile sweep"
+  timeout 55 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-35}" 2>&1 | tee "$out/tune.log" | tail -12
+  cp kernels/attention_tiles.json "$out/attention_tiles.json"
 
-phase "CUDA tests"
-tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
-[ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
-# shellcheck disable=SC2086
-timeout 110 python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
-  -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
-  | tee "$out/gpu_tests.log" | tail -15
+  phase "CUDA tests"
+  tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
+  [ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
+  # shellcheck disable=SC2086
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
+    -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
+    | tee "$out/gpu_tests.log" | tail -15
 
-phase memcheck
-if command -v compute-sanitizer >/dev/null; then
-  timeout 50 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+  phase memcheck
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 40 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
 import torch
 import qvl.kernels  # noqa: F401
 torch.manual_seed(0)
@@ -107,16 +112,44 @@ for head_dim in (72, 80, 64):
 torch.cuda.synchronize()
 print("memcheck cases ran: vision_attn forward + backward with and without rope, bf16, D 72/80/64, both tile hints")
 EOF
-else
-  echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
-fi
+  else
+    echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
+  fi
+}
 
-phase benchmarks
-if [ "$mode" = "--attention" ]; then
-  timeout 150 python3 -m bench --quick --dtype bf16 --json-dir "$out" --only attention,attention_backward \
-    --skip flex_attention 2>&1 | tee "$out/bench.log" | tail -60
+if [ "$mode" = "--tower" ]; then
+  tower_tests
+  bench host 40
+  bench tower 120 "${compiled_towers[@]}"
+  bench merger 50
+  bench rotary 20
+  bench pos_embed 20
+elif [ "$mode" = "--attention" ]; then
+  kernel_checks
+  bench attention 90 --skip flex_attention
+  bench attention_backward 60 --skip flex_attention
+elif [ "$mode" = "--full" ]; then
+  kernel_checks
+  # The long cases and the compiled towers: longer than a 15-minute lease holds with a rerun.
+  bench host 60
+  bench attention 240
+  bench tower 600
+  bench merger 120
+  bench pos_embed 60
+  bench rotary 60
+  bench attention_backward 240
+  bench window 120
 else
-  timeout 210 python3 -m bench $quick --dtype bf16 --json-dir "$out" \
-    --only host,attention,tower,merger,pos_embed,rotary,attention_backward,window 2>&1 | tee "$out/bench.log" | tail -80
+  kernel_checks
+  bench host 20
+  bench attention 45
+  bench tower 70 "${compiled_towers[@]}"
+  bench merger 30
+  bench pos_embed 15
+  bench rotary 15
+  bench attention_backward 30
+  bench window 25
 fi
+phase plots  # one figure set of the whole run (each call above drew its own modules' only)
+timeout 20 python3 -m bench.plot "$out" 2>&1 | tail -5
 phase done

@@ -1,7 +1,7 @@
 """Every qvl benchmark in one command, one module after another, with shared options:
 
     python -m bench [--quick] [--dtype bf16] [--json-dir bench/results] [--only pos_embed,tower] [--device auto]
-                    [--skip flex_attention]
+                    [--skip flex_attention] [--stamp YYYYmmdd-HHMMSS]
 
 (``python -m bench.run_all`` is the same.) Each module writes its JSON to ``--json-dir`` as
 ``<bench>-<device>-<date>.json`` and prints its summary as it finishes; all summaries are printed
@@ -56,6 +56,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--only", help=f"comma-separated subset of: {','.join(MODULES)}")
     parser.add_argument("--skip", default="", help="comma-separated peers every module leaves out")
+    parser.add_argument(
+        "--stamp",
+        type=_stamp,
+        help="the run's YYYYmmdd-HHMMSS in file names (default: now); calls sharing one are one run for bench.plot",
+    )
     args = parser.parse_args(argv)
     args.names = list(MODULES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in args.names if n not in MODULES]
@@ -64,11 +69,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _stamp(text: str) -> str:
+    try:
+        datetime.datetime.strptime(text, "%Y%m%d-%H%M%S")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected YYYYmmdd-HHMMSS, got {text!r}") from None
+    return text
+
+
 def run(argv: Sequence[str] | None = None) -> tuple[dict[str, Report], dict[str, str]]:
     """Run the chosen modules and plot their results; returns ({name: report}, {name: why it failed})."""
     args = parse_args(argv)
     slug = harness.get_device(args.device).slug
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = args.stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     shared = (
         ["--device", args.device]
         + (["--dtype", args.dtype] if args.dtype else [])

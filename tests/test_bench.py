@@ -336,8 +336,11 @@ def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> No
 
 
 def test_run_all_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert run_all.main(["--device", "cpu", "--only", "pos_embed", "--json-dir", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("pos_embed-cpu-*.json")
+    stamp = ["--stamp", "20261205-064220"]  # device_check.sh's calls share one: their files are one run for bench.plot
+    assert run_all.main(["--device", "cpu", "--only", "pos_embed", "--json-dir", str(tmp_path), *stamp]) == 0
+    (path,) = tmp_path.glob("pos_embed-cpu-20261205-064220.json")
+    with pytest.raises(SystemExit):
+        run_all.parse_args(["--stamp", "2026-12-05"])
     assert json.loads(path.read_text())["bench"] == "pos_embed"
     out = capsys.readouterr().out
     assert "=== all results" in out
