@@ -5,12 +5,14 @@ Semantics (transformers' ``Qwen3VLVisionRotaryEmbedding`` + ``apply_rotary_pos_e
 position ``(row, col)`` has angles ``[row * inv_freq | col * inv_freq]`` (width ``D/2``), duplicated to
 width ``D``; q and k are rotated NeoX style (rotate-half, not interleaved) in fp32 and cast back.
 
-The kernel computes cos/sin in fp32 from the int32 positions, once per token for every head. When
-``torch.ops.qvl.vision_attn`` is given ``positions``, the kernel rotating its k also writes those cos/sin values
-into a ``(T, D)`` fp32 scratch table, from which the attention kernel rotates q as it loads it with the same
-:func:`rope_apply`, so both round exactly alike and no sin or cos is evaluated inside attention. As in
-attention, layouts whose rows all start on 16-byte boundaries (packed qkv views, contiguous outputs) get
-strides the compiler can prove aligned, so rows load and store in 16-byte vectors.
+The kernel computes cos/sin in fp32 from the int32 positions, once per token for every head and only for the
+``D/2`` distinct angles: its tiles span half a head, dim ``j`` and its partner ``j + D/2`` rotated together from one
+load of each. When ``torch.ops.qvl.vision_attn`` is given ``positions``, the kernel rotating its k also writes
+those cos/sin values into a ``(T, D)`` fp32 scratch table, from which the attention kernel rotates q as it loads it
+with the same arithmetic (:func:`rope_apply`), so no sin or cos is evaluated inside attention. As in attention,
+layouts whose rows all start on 16-byte boundaries (packed qkv views, contiguous outputs) get strides the
+compiler can prove aligned, so rows load and store in vectors (as wide as the half-head offset allows: 8 bytes
+for D 72 in 16 bits).
 
 ``rotary_2d`` is differentiable: its backward (``torch.ops.qvl.rotary_2d_backward``) is the same kernel
 rotating the gradients by the opposite angles. ``rotary_2d_`` mutates its inputs, for which torch.library
@@ -51,8 +53,6 @@ __all__ = [
     "check_rope_theta",
     "launch_config",
     "rope_apply",
-    "rope_cos_sin",
-    "rope_dim_tables",
     "rope_pairs",
     "rope_inv_freq",
     "rotary_2d",
@@ -65,26 +65,8 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------------
-# The rotation of a (tokens, head dims) tile, shared with the attention kernel: cos/sin in fp32 from int32
-# (row, col) positions.
+# The rotate-half arithmetic, shared with the attention kernel's q rotation.
 # ----------------------------------------------------------------------------------------------------
-@triton.jit
-def rope_dim_tables(offs_d, HEAD_DIM: tl.constexpr, log2_theta):
-    """Per-dimension rotary constants for the dims ``offs_d`` of a head of width ``HEAD_DIM``.
-
-    Returns (inv_freq fp32, from_col bool, partner dim, sign fp32): dim d pairs with
-    ``partner = (d + D/2) % D`` and is rotated as ``x[d] * cos + sign * x[partner] * sin``.
-    """
-    half: tl.constexpr = HEAD_DIM // 2
-    quarter: tl.constexpr = HEAD_DIM // 4
-    in_half = offs_d % half
-    from_col = in_half >= quarter
-    freq_index = tl.where(from_col, in_half - quarter, in_half)
-    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
-    partner, sign = rope_pairs(offs_d, HEAD_DIM)
-    return inv_freq, from_col, partner, sign
-
-
 @triton.jit
 def rope_pairs(offs_d, HEAD_DIM: tl.constexpr):
     """NeoX rotate-half pairing of the dims ``offs_d``: (partner dim ``(d + D/2) % D``, sign fp32), so that dim d
@@ -94,41 +76,33 @@ def rope_pairs(offs_d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def rope_cos_sin(row_pos, col_pos, inv_freq, from_col):
-    """cos/sin ``(BLOCK_T, BLOCK_D)`` in fp32 for tokens at ``(row_pos, col_pos)`` (int32 ``(BLOCK_T,)``)."""
-    pos = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32)
-    angle = pos * inv_freq[None, :]
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
 def rope_apply(x, x_partner, cos, sin, sign):
-    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin``."""
-    return x.to(tl.float32) * cos + sign[None, :] * x_partner.to(tl.float32) * sin
+    """Rotate one tile in fp32: ``x * cos + sign * x_partner * sin`` (``sign`` -1 or 1, broadcast to the tile).
+    The rotary kernel and attention's q rotation both rotate through it, so both round alike."""
+    return x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
 
 
 # ----------------------------------------------------------------------------------------------------
 # Standalone kernel: one program rotates BLOCK_T tokens of every head of q and k (or of k alone), so
-# each cos/sin value is computed once and used for every head.
+# each cos/sin value is computed once and used for every head. Tiles span half a head: dim j < D/2 and its
+# partner j + D/2 share the angle j, so the cos/sin tiles are D/2 wide and each element is loaded once.
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_heads(X, XOut, x_strides, out_strides, tile, rope, num_heads):
+def _rotate_heads(X, XOut, x_strides, out_strides, tile, rope, num_heads, HALF: tl.constexpr):
     """Rotate the tile's tokens of every head of X into XOut with the cos/sin computed once by the caller.
-    ``x_strides`` and ``out_strides`` are (token, head) strides; ``tile`` is ``(tokens, offs_d, partner, mask)``
-    and ``rope`` ``(cos, sin, sign)``."""
+    ``x_strides`` and ``out_strides`` are (token, head) strides; ``tile`` is ``(tokens, offs_j, mask)`` over the
+    first half's dims and ``rope`` ``(cos, sin)``, ``(BLOCK_T, BLOCK_H)`` fp32."""
     stride_xt, stride_xh = x_strides
     stride_ot, stride_oh = out_strides
-    tokens, offs_d, partner, mask = tile
-    cos, sin, sign = rope
+    tokens, offs_j, mask = tile
+    cos, sin = rope
     for head in range(num_heads):
-        rows = X + tokens[:, None] * stride_xt + head * stride_xh
-        x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0)
-        x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0)
-        tl.store(
-            XOut + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-            rope_apply(x, x_partner, cos, sin, sign).to(XOut.dtype.element_ty),
-            mask=mask,
-        )
+        first = X + tokens[:, None] * stride_xt + head * stride_xh + offs_j[None, :]
+        x1 = tl.load(first, mask=mask, other=0.0)
+        x2 = tl.load(first + HALF, mask=mask, other=0.0)
+        out = XOut + tokens[:, None] * stride_ot + head * stride_oh + offs_j[None, :]
+        tl.store(out, rope_apply(x1, x2, cos, sin, -1.0).to(XOut.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, rope_apply(x2, x1, cos, sin, 1.0).to(XOut.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -156,7 +130,7 @@ def _rotary_2d_kernel(
     stride_pt,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE_Q: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
@@ -169,31 +143,36 @@ def _rotary_2d_kernel(
         stride_kt, stride_kh = aligned_stride(stride_kt, K), aligned_stride(stride_kh, K)
         stride_qot, stride_qoh = aligned_stride(stride_qot, QOut), aligned_stride(stride_qoh, QOut)
         stride_kot, stride_koh = aligned_stride(stride_kot, KOut), aligned_stride(stride_koh, KOut)
+    half: tl.constexpr = HEAD_DIM // 2
+    quarter: tl.constexpr = HEAD_DIM // 4
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     tokens = offs_t.to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    mask = mask_t[:, None] & mask_d[None, :]
+    # Angle j < D/2: the row's frequency j for j < D/4, the column's frequency j - D/4 above.
+    offs_j = tl.arange(0, BLOCK_H)
+    mask = mask_t[:, None] & (offs_j < half)[None, :]
+    from_col = offs_j >= quarter
+    freq_index = tl.where(from_col, offs_j - quarter, offs_j)
+    inv_freq = tl.exp2(freq_index.to(tl.float32) * (-4.0 / HEAD_DIM) * log2_theta)
 
     row_pos = tl.load(Positions + tokens * stride_pt, mask=mask_t, other=0)
     col_pos = tl.load(Positions + tokens * stride_pt + 1, mask=mask_t, other=0)
-    inv_freq, from_col, partner, sign = rope_dim_tables(offs_d, HEAD_DIM, log2_theta)
-    if INVERSE:
-        # Dim d and its partner share one angle, so negating the sign rotates each pair by -angle: the
-        # inverse rotation, which is also its transpose (rotations are orthogonal), hence the backward.
-        sign = -sign
-    cos, sin = rope_cos_sin(row_pos, col_pos, inv_freq, from_col)
+    angle = tl.where(from_col[None, :], col_pos[:, None], row_pos[:, None]).to(tl.float32) * inv_freq[None, :]
+    cos, sin = tl.cos(angle), tl.sin(angle)
     if WRITE_COS_SIN:
-        # Columns d and d + D/2 share an angle: the row holds the D/2 angles' cos, then their sin.
-        half: tl.constexpr = HEAD_DIM // 2
-        cos_sin = tl.where(offs_d[None, :] < half, cos, sin)
-        tl.store(CosSin + tokens[:, None] * HEAD_DIM + offs_d[None, :], cos_sin, mask=mask)
+        # The row holds the D/2 angles' cos, then their sin (attention reads dim d's at d % (D/2)).
+        table = CosSin + tokens[:, None] * HEAD_DIM + offs_j[None, :]
+        tl.store(table, cos, mask=mask)
+        tl.store(table + half, sin, mask=mask)
+    if INVERSE:
+        # Dim j and its partner share one angle, so negating sin rotates each pair by -angle: the inverse
+        # rotation, which is also its transpose (rotations are orthogonal), hence the backward.
+        sin = -sin
 
-    tile = (tokens, offs_d, partner, mask)
+    tile = (tokens, offs_j, mask)
     if ROTATE_Q:
-        _rotate_heads(Q, QOut, (stride_qt, stride_qh), (stride_qot, stride_qoh), tile, (cos, sin, sign), num_heads)
-    _rotate_heads(K, KOut, (stride_kt, stride_kh), (stride_kot, stride_koh), tile, (cos, sin, sign), num_heads)
+        _rotate_heads(Q, QOut, (stride_qt, stride_qh), (stride_qot, stride_qoh), tile, (cos, sin), num_heads, half)
+    _rotate_heads(K, KOut, (stride_kt, stride_kh), (stride_kot, stride_koh), tile, (cos, sin), num_heads, half)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -315,12 +294,14 @@ def _check_rotary_args(op: str, q, k, positions, rope_theta, read_values: bool =
 @cached_config
 def launch_config(head_dim: int, target: GPUTarget) -> dict:
     """Everything the rotary launch passes besides tensors, scalars and per-call flags (q rotated too,
-    aligned strides) for ``head_dim`` on ``target``: the whole head in one tile, tokens per program for
-    about 4096 values, and compile options. Every target gets the same values (the interpreter ignores
-    warps and options)."""
-    block_d = next_power_of_2(head_dim)
+    aligned strides) for ``head_dim`` on ``target``: half a head per tile, tokens per program for about 1024
+    values per tile (8 per thread of 4 warps), and compile options. Every target gets the same values (the
+    interpreter ignores warps and options). On sm_90 the variant that also writes attention's cos/sin table takes
+    112 registers and no stack at D 72 bf16; with 2048 values per tile it spilled (165 registers, 32 bytes of
+    stack), and the earlier whole-head tiles of 4096 values hit the cap (255, 320 bytes)."""
+    block_h = next_power_of_2(head_dim // 2)
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=max(1, min(64, 4096 // block_d)), num_warps=4, **FMA_CONTRACTION
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_T=max(1, min(64, 1024 // block_h)), num_warps=4, **FMA_CONTRACTION
     )
 
 

@@ -126,7 +126,7 @@ def _load_q(
         x_partner = load_rows(base, rows, stride_t, partner, row_mask, HEAD_DIM, True, MASK_COLS)
         cos = load_rows(CosSin, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
         sin = load_rows(CosSin + half, rows, HEAD_DIM, angle, row_mask, HEAD_DIM, True, False)
-        x = rope_apply(x, x_partner, cos, sin, sign)
+        x = rope_apply(x, x_partner, cos, sin, sign[None, :])
         if MASK_COLS:
             # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
             x = tl.where(cols[None, :] < HEAD_DIM, x, 0.0)

@@ -84,6 +84,20 @@ def test_the_other_ops_backward_kernels_do_not_spill(compiled_variants):
     assert not [line for line in checked if line["stack"]], checked
 
 
+@needs_cuobjdump
+def test_rotary_kernels_do_not_spill_in_16_bit(compiled_variants):
+    """Every rotary launch in 16 bits (standalone, rotating k and writing attention's cos/sin table, the inverse)
+    keeps everything in registers on sm_90: the rope path's k rotation reached the register cap with 320 bytes of
+    stack when its tiles spanned whole heads."""
+    _, compiled = compiled_variants
+    checked = [line for line in compiled if line["kernel"] == "_rotary_2d_kernel" and " bf16 " in line["name"]]
+    assert {line["name"] for line in checked} >= {
+        "rotary_2d_ bf16 D=72", "vision_attn bf16 D=72 rope", "vision_attn bf16 D=80 windows rope",
+        "vision_attn_backward bf16 D=72 rope",
+    }  # fmt: skip
+    assert not [line for line in checked if line["stack"]], checked
+
+
 @pytest.fixture(scope="module")
 def head_dim_72_sass() -> dict[bool, dict]:
     """bench.sass_attention's rows for Qwen3-VL's D = 72 in bf16 on a packed qkv with the heuristic's tiles, keyed
