@@ -6,7 +6,7 @@
 #
 # default (at most 7.5 minutes, so that a 15-minute lease holds its start and one rerun):
 #   1. device, driver, versions, commit                                                   device.txt
-#   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 40); it writes
+#   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35); it writes
 #      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
 #   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
 #      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls
@@ -17,9 +17,11 @@
 #   6. the plots of the whole run (bench.plot)                                               *.png
 # --attention (under ~5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
 #   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
-# --tower (under ~5 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
+# --tower (about 7 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
 #   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
-#   SDPA eager), the bandwidth kernels and mergers, rotary, the position table. No tile sweep, no memcheck.
+#   SDPA eager), the bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports,
+#   writes nothing; tune_rows.log, tune_rows.json), rotary, the position table.
+#   No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/. Under the device tool ($OUT set: at most 8 files come back)
 # that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
@@ -46,7 +48,7 @@ ship() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
   for f in device.txt attention_tiles.json; do [ -f "$out/$f" ] && cp "$out/$f" "$OUT/"; done
-  for log in gpu_tests tune bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
+  for log in gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
   return 0
 }
 phase() { ship; echo "=== $1 (at $((SECONDS - started)) s)"; }
@@ -122,6 +124,9 @@ if [ "$mode" = "--tower" ]; then
   bench host 40
   bench tower 120 "${compiled_towers[@]}"
   bench merger 50
+  phase "bandwidth-kernel sweep"
+  timeout 75 python3 -m bench.tune_rows --budget-s 50 --json "$out/tune_rows.json" 2>&1 | tee "$out/tune_rows.log" \
+    | tail -60
   bench rotary 20
   bench pos_embed 20
 elif [ "$mode" = "--attention" ]; then
