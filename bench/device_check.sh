@@ -26,7 +26,7 @@
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/. Under the device tool ($OUT set: at most 8 files come back)
 # that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
 # step: a run cut short by the tool's limit still brings back the steps it finished, and a benchmark cut by its
-# timeout the rows it printed.
+# timeout the rows it measured (printed, and saved in its JSON noted as cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bench_stamp="$(date -u +%Y%m%d-%H%M%S)"
@@ -58,7 +58,7 @@ bench() {
   local name="$1" seconds="$2"
   shift 2
   phase "benchmark $name"
-  timeout "$seconds" python3 -m bench $quick --dtype bf16 --json-dir "$out" --stamp "$bench_stamp" --only "$name" \
+  timeout -k 15 "$seconds" python3 -m bench $quick --dtype bf16 --json-dir "$out" --stamp "$bench_stamp" --only "$name" \
     "$@" 2>&1 | tee -a "$out/bench.log" | tail -40
 }
 : > "$out/bench.log"

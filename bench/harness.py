@@ -17,6 +17,7 @@ import json
 import math
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import time
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import triton
@@ -402,6 +403,11 @@ class Report:
     skipped: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # extra top-level JSON fields (peer versions)
+    # The report made last: what :func:`main` saves when a timeout's SIGTERM cuts its benchmark short.
+    latest: ClassVar[Report | None] = None
+
+    def __post_init__(self) -> None:
+        Report.latest = self
 
     def add(
         self,
@@ -586,12 +592,37 @@ def cpu_threads(device: Device) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+class Cut(BaseException):
+    """SIGTERM arrived (``timeout`` ending a benchmark): raised in the main thread between two Python steps. A
+    BaseException, as KeyboardInterrupt is, so the handlers that report a failing peer and go on let it through."""
+
+
+def _cut(signum: int, frame: Any) -> None:
+    raise Cut
+
+
 def main(description: str | None, benchmark: Callable[[RunConfig], Report], argv: Sequence[str] | None) -> Report:
-    """A benchmark module's command line: parse, run, write the JSON, print the summary with the table last."""
+    """A benchmark module's command line: parse, run, write the JSON, print the summary with the table last.
+
+    A SIGTERM during the run (a device script's ``timeout``) saves and prints the rows measured so far, noted as cut
+    short, then exits with status 124 (timeout's own) instead of losing them."""
     config = parse_args(description, argv)
-    with cpu_threads(config.device):
-        report = benchmark(config)
+    started = Report.latest
+    previous = signal.signal(signal.SIGTERM, _cut)
+    cut = False
+    try:
+        with cpu_threads(config.device):
+            report = benchmark(config)
+    except Cut:
+        if Report.latest is None or Report.latest is started:
+            raise SystemExit(124) from None
+        report, cut = Report.latest, True
+        report.notes.append("cut short by SIGTERM (a timeout): only the rows measured before it")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     path = report.save(config.json_path)
     print(f"results: {path}")
     print(report.summary(), flush=True)
+    if cut:
+        raise SystemExit(124)
     return report

@@ -4,8 +4,11 @@ the rows it should, with finite positive numbers. Nothing here asserts on speed.
 import importlib.util
 import json
 import math
+import os
 import re
+import signal
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -218,6 +221,33 @@ def test_tower_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
             assert r["note"] == f"{throughput:.4g} {unit}, peak -"
             assert data["peak_memory_bytes"][case.name][r["impl"]] is None  # torch cannot measure CPU memory
     check_table_last(out, training[-1].name, "hf sdpa")
+
+
+def test_a_benchmark_cut_by_sigterm_saves_its_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A device script's timeout sends SIGTERM: the rows measured before it are saved and printed, noted as cut
+    short, and the run exits with timeout's status; the previous SIGTERM handler is back afterwards."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def benchmark(config: harness.RunConfig) -> harness.Report:
+        report = harness.Report("cut", config.device, config.dtype, "bytes", ("a",))
+        report.add("case", "a", harness.Timing(1.0, 0.9, 1.1), 1e6)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(500):
+                time.sleep(0.01)  # the handler raises at the next Python step
+        except Exception:  # noqa: BLE001 - as a peer's failure handler does: the cut must pass through it
+            pass
+        raise AssertionError("SIGTERM did not cut the run")
+
+    path = tmp_path / "cut.json"
+    with pytest.raises(SystemExit) as exit_info:
+        harness.main(None, benchmark, ["--device", "cpu", "--json", str(path)])
+    assert exit_info.value.code == 124
+    data = json.loads(path.read_text())
+    assert [r["impl"] for r in data["records"]] == ["a"]
+    assert data["notes"][-1].startswith("cut short by SIGTERM")
+    assert "cut short by SIGTERM" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_peers_skip_leaves_peers_unbuilt() -> None:
