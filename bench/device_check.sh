@@ -147,8 +147,8 @@ elif [ "$mode" = "--full" ]; then
 else
   kernel_checks
   bench host 20
-  bench attention 45
-  bench tower 70 "${compiled_towers[@]}"
+  bench attention 40
+  bench tower 60 "${compiled_towers[@]}"
   bench merger 30
   bench pos_embed 15
   bench rotary 15
