@@ -1,0 +1,207 @@
+"""Which of issue 31's measurable goals a GPU run meets: ``python -m bench.goals bench/results/run-<stamp>/``.
+
+Reads the run's JSON reports (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``,
+``bench_pos_embed``: the ``--tower`` run of ``bench/device_check.sh`` writes them all) and prints one line per goal
+with what the run measured and whether it meets the goal: ``met``, ``missed``, or ``not measured`` where a report or
+a row is absent (a benchmark cut by its timeout, a peer left out, a case the quick run has not). Nothing is timed
+here; the exit status is 0 whatever the verdicts (it reports, it does not gate).
+
+Goals (issue 31, H200 bf16, Qwen3-VL 8B's tower):
+
+* host time per call: ``vision_attn`` <= 30 µs, every other op <= 20 µs (``bench_host``'s ``qvl`` row: the op as a
+  user calls it; the ``qvl direct`` row, what the towers' layers call in eager inference, is shown beside it);
+* the tower against transformers + SDPA with the same weights: eager >= 1.4x on one 1024x1024 image, 1.6x on the 8
+  mixed images, 1.5x on the 16-frame video and on 4 x 448x448; the one-image forward's GPU time <= 13 ms; a training
+  step >= 1.3x; peak memory no higher in any case; replay never slower than eager and >= 1.3x eager on the 4 small
+  images; qvl's best (eager, compiled or replayed) >= 1.3x transformers under ``torch.compile`` in every case;
+* bandwidth kernels: each >= 85 % of a copy of its bytes at the tower's sizes (16,384 x 1,152; 4,096 x 4,608;
+  16,384 x 4,304), never slower than eager torch or its ``torch.compile`` at any benchmarked size; the mergers >=
+  eager at 1,024 tokens; the rotary and the position table never slower than transformers' eager or compiled code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL = "8B"
+HOST_LIMIT_US = {"vision_attn": 30.0}
+HOST_LIMIT_DEFAULT_US = 20.0
+TOWER_EAGER = {"1 img 1024x1024": 1.4, "8 imgs mixed": 1.6, "video 16 frames 512x512": 1.5, "4 imgs 448x448": 1.5}
+ONE_IMAGE = "1 img 1024x1024"
+SMALL_IMAGES = "4 imgs 448x448"
+ONE_IMAGE_GPU_MS = 13.0
+TRAINING = 1.3
+REPLAY_SMALL = 1.3
+VS_COMPILED = 1.3
+QVL_TOWERS = ("qvl", "qvl compiled", "qvl replayed")
+COPY_SHARE = 0.85
+TOWER_SIZES = ("16384x1152", "4096x4608", "16384x4304")
+MERGER_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Verdict:
+    goal: str
+    measured: str
+    met: bool | None  # None: not measured
+
+    @property
+    def status(self) -> str:
+        return "not measured" if self.met is None else ("met" if self.met else "missed")
+
+
+class Run:
+    """A run folder's reports, by benchmark name (the newest file of each where a folder holds several)."""
+
+    def __init__(self, folder: Path):
+        self.reports: dict[str, dict] = {}
+        for path in sorted(folder.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and "bench" in data and "records" in data:
+                self.reports[data["bench"]] = data
+
+    def rows(self, bench: str) -> dict[tuple[str, str], dict]:
+        """``{(case, impl): record}`` of one benchmark (empty where the run has no such report)."""
+        return {(r["case"], r["impl"]): r for r in self.reports.get(bench, {}).get("records", [])}
+
+
+def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+    """``numerator["ms"] / denominator["ms"]``: how many times faster the denominator's implementation is."""
+    if numerator is None or denominator is None:
+        return None
+    return numerator["ms"] / denominator["ms"]
+
+
+def _at_least(goal: str, value: float | None, target: float, unit: str = "x") -> Verdict:
+    if value is None:
+        return Verdict(goal, "-", None)
+    return Verdict(goal, f"{value:.3f}{unit}", value >= target)
+
+
+def host_goals(run: Run) -> Iterator[Verdict]:
+    rows = run.rows("host")
+    ops = dict.fromkeys(case for case, _ in rows)
+    if not ops:
+        yield Verdict("host time per call <= torch's figures (bench_host)", "-", None)
+    for op in ops:
+        limit = HOST_LIMIT_US.get(op, HOST_LIMIT_DEFAULT_US)
+        mine, direct = rows.get((op, "qvl")), rows.get((op, "qvl direct"))
+        goal = f"host: {op} <= {limit:g} us per call"
+        if mine is None:
+            yield Verdict(goal, "-", None)
+            continue
+        us = mine["ms"] * 1e3
+        beside = f" (direct {direct['ms'] * 1e3:.1f} us)" if direct else ""
+        yield Verdict(goal, f"{us:.1f} us{beside}", us <= limit)
+
+
+def _gpu_ms(record: dict | None) -> float | None:
+    found = re.search(r"GPU ([0-9.eE+-]+) ms", record["note"]) if record else None
+    return float(found.group(1)) if found else None
+
+
+def tower_goals(run: Run) -> Iterator[Verdict]:
+    rows = run.rows("tower")
+    peaks = run.reports.get("tower", {}).get("peak_memory_bytes", {})
+
+    def row(workload: str, impl: str, training: bool = False) -> dict | None:
+        return rows.get((f"{MODEL} {workload}" + (" training" if training else ""), impl))
+
+    for workload, target in TOWER_EAGER.items():
+        ratio = _ratio(row(workload, "hf sdpa"), row(workload, "qvl"))
+        yield _at_least(f"tower eager vs hf sdpa, {workload}: >= {target}x", ratio, target)
+    gpu = _gpu_ms(row(ONE_IMAGE, "qvl"))
+    yield Verdict(
+        f"tower GPU time, {ONE_IMAGE}: <= {ONE_IMAGE_GPU_MS:g} ms",
+        "-" if gpu is None else f"{gpu:.3g} ms",
+        None if gpu is None else gpu <= ONE_IMAGE_GPU_MS,
+    )
+    for workload in TOWER_EAGER:
+        ratio = _ratio(row(workload, "hf sdpa", True), row(workload, "qvl", True))
+        yield _at_least(f"training step vs hf sdpa, {workload}: >= {TRAINING}x", ratio, TRAINING)
+    for case, by_impl in peaks.items():
+        mine, theirs = by_impl.get("qvl"), by_impl.get("hf sdpa")
+        goal = f"peak memory, {case}: qvl <= hf sdpa"
+        if mine is None or theirs is None:
+            yield Verdict(goal, "-", None)
+        else:
+            yield Verdict(goal, f"{mine / theirs:.2f}x", mine <= theirs)
+    for workload in TOWER_EAGER:
+        target = REPLAY_SMALL if workload == SMALL_IMAGES else 1.0
+        ratio = _ratio(row(workload, "qvl"), row(workload, "qvl replayed"))
+        yield _at_least(f"replay vs eager, {workload}: >= {target}x", ratio, target)
+    for workload in TOWER_EAGER:
+        compiled = row(workload, "hf sdpa compiled")
+        ratios = [r for r in (_ratio(compiled, row(workload, impl)) for impl in QVL_TOWERS) if r is not None]
+        best = max(ratios) if ratios and compiled is not None else None
+        yield _at_least(f"qvl's best vs hf sdpa compiled, {workload}: >= {VS_COMPILED}x", best, VS_COMPILED)
+
+
+def bandwidth_goals(run: Run) -> Iterator[Verdict]:
+    rows = run.rows("merger")
+    cases = dict.fromkeys(case for case, _ in rows)
+    for case in cases:
+        mine = rows.get((case, "qvl"))
+        if "merger" in case:
+            if f"T={MERGER_TOKENS} " in case:
+                yield _at_least(f"{case}: >= eager", _ratio(rows.get((case, "eager")), mine), 1.0)
+            continue
+        if case.endswith(TOWER_SIZES):
+            copy = rows.get((case, "copy"))
+            share = None if mine is None or copy is None else mine["rate"] / copy["rate"]
+            yield _at_least(f"{case}: >= {COPY_SHARE:.0%} of copy", share, COPY_SHARE, unit="")
+        for peer in ("eager", "compiled"):
+            yield _at_least(f"{case}: >= {peer}", _ratio(rows.get((case, peer)), mine), 1.0)
+    if not cases:
+        yield Verdict("bandwidth kernels (bench_merger)", "-", None)
+    for bench, peers in (
+        ("rotary", ("hf eager", "hf compiled")),
+        ("pos_embed", ("hf gather+add", "hf compiled gather+add")),
+    ):
+        rows = run.rows(bench)
+        cases = dict.fromkeys(case for case, _ in rows)
+        if not cases:
+            yield Verdict(f"{bench} (bench_{bench})", "-", None)
+        for case in cases:
+            for peer in peers:
+                yield _at_least(
+                    f"{bench} {case}: >= {peer}", _ratio(rows.get((case, peer)), rows.get((case, "qvl"))), 1.0
+                )
+
+
+def verdicts(run: Run) -> list[Verdict]:
+    return [*host_goals(run), *tower_goals(run), *bandwidth_goals(run)]
+
+
+def table(found: Sequence[Verdict]) -> str:
+    width = max((len(v.goal) for v in found), default=4)
+    lines = [f"{'goal':<{width}}  {'measured':>28}  status"]
+    lines += [f"{v.goal:<{width}}  {v.measured:>28}  {v.status}" for v in found]
+    counts = {status: sum(v.status == status for v in found) for status in ("met", "missed", "not measured")}
+    lines.append(", ".join(f"{count} {status}" for status, count in counts.items()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[Verdict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="a run's results folder (bench/results/run-...)")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        parser.error(f"not a folder: {args.folder}")
+    run = Run(args.folder)
+    found = verdicts(run)
+    print(f"issue 31's goals in {args.folder} ({', '.join(sorted(run.reports)) or 'no reports'}):")
+    print(table(found))
+    return found
+
+
+if __name__ == "__main__":
+    main()
