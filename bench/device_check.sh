@@ -15,7 +15,7 @@
 #   5. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   6. the plots of the whole run (bench.plot)                                               *.png
-#   7. which of issue 31's goals the run meets (bench/goals.py; not under --attention)       goals.txt
+#   7. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
 # --attention (under ~5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
 #   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
 # --tower (about 7 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
@@ -158,8 +158,11 @@ else
 fi
 phase plots  # one figure set of the whole run (each call above drew its own modules' only)
 timeout 20 python3 -m bench.plot "$out" 2>&1 | tail -5
-if [ "$mode" != "--attention" ]; then
-  phase "issue 31's goals"
-  timeout 20 python3 -m bench.goals "$out" 2>&1 | tee "$out/goals.txt"
-fi
+phase goals
+case "$mode" in
+  --attention) issue=(--issue 30) ;;
+  --tower) issue=(--issue 31) ;;
+  *) issue=() ;;
+esac
+timeout 20 python3 -m bench.goals "$out" "${issue[@]}" 2>&1 | tee "$out/goals.txt"
 phase done

@@ -1,12 +1,22 @@
-"""Which of issue 31's measurable goals a GPU run meets: ``python -m bench.goals bench/results/run-<stamp>/``.
+"""Which of issues 30's and 31's measurable goals a GPU run meets: ``python -m bench.goals RUN_FOLDER [--issue N]``.
 
-Reads the run's JSON reports (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``,
-``bench_pos_embed``: the ``--tower`` run of ``bench/device_check.sh`` writes them all) and prints one line per goal
-with what the run measured and whether it meets the goal: ``met``, ``missed``, or ``not measured`` where a report or
-a row is absent (a benchmark cut by its timeout, a peer left out, a case the quick run has not). Nothing is timed
-here; the exit status is 0 whatever the verdicts (it reports, it does not gate).
+Reads the run's JSON reports and prints one line per goal with what the run measured and whether it meets the goal:
+``met``, ``missed``, or ``not measured`` where a report or a row is absent (a benchmark cut by its timeout, a peer
+left out, a case the quick run has not). Nothing is timed here; the exit status is 0 whatever the verdicts (it
+reports, it does not gate). ``--issue 30`` or ``--issue 31`` keeps one issue's goals (default: both).
 
-Goals (issue 31, H200 bf16, Qwen3-VL 8B's tower):
+Issue 30 (``bench_attention``, ``bench_attention_backward``, ``bench_window``; H200 bf16; the best peer of a case is
+its fastest non-qvl row):
+
+* D 72 (Qwen3-VL 8B) with rope (``qvl+rope``, the towers' call): >= 1.15x the best peer at S 4,096 and 16,384, on
+  the 8 mixed images and on the 16-frame video; >= 1.0x on one 1,024-token image; >= 420 TFLOP/s at S 16,384;
+* rope at no cost: ``qvl+rope`` within 5 % of ``qvl``'s time in every D 72 case;
+* D 64 (Qwen3-VL 2B): ``qvl`` >= 1.0x the best peer in every case;
+* Qwen2.5-VL windows (D 80, 64-token windows): ``qvl`` >= 1.5x ``varlen_attn``;
+* forward + backward on single images of S >= 4,096: >= 1.2x the best peer (``qvl+rope`` at D 72, ``qvl`` at D 64).
+
+Issue 31 (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``, ``bench_pos_embed``: the ``--tower``
+run of ``bench/device_check.sh`` writes them all; Qwen3-VL 8B's tower):
 
 * host time per call: ``vision_attn`` <= 30 µs, every other op <= 20 µs (``bench_host``'s ``qvl`` row: the op as a
   user calls it; the ``qvl direct`` row, what the towers' layers call in eager inference, is shown beside it);
@@ -28,6 +38,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .workloads import MIXED_8, VIDEO_16, label, square
+
 MODEL = "8B"
 HOST_LIMIT_US = {"vision_attn": 30.0}
 HOST_LIMIT_DEFAULT_US = 20.0
@@ -42,6 +54,15 @@ QVL_TOWERS = ("qvl", "qvl compiled", "qvl replayed")
 COPY_SHARE = 0.85
 TOWER_SIZES = ("16384x1152", "4096x4608", "16384x4304")
 MERGER_TOKENS = 1024
+# Issue 30: the attention benchmarks' case names (model, then workloads.label of the batch) and their goals.
+QVL_ROWS = ("qvl", "qvl+rope", "rotary_2d+qvl")
+D72_WITH_ROPE = {label(square(1024)): 1.0, **{label(g): 1.15 for g in (square(4096), square(16384), MIXED_8, VIDEO_16)}}
+D72_RATE_CASE, D72_RATE = label(square(16384)), 420.0
+ROPE_COST = 1.05
+D64_MODEL = "2B"
+WINDOWS = 1.5
+TRAINING_VS_BEST = 1.2
+TRAINING_MIN_S = 4096
 
 
 @dataclass(frozen=True)
@@ -177,8 +198,75 @@ def bandwidth_goals(run: Run) -> Iterator[Verdict]:
                 )
 
 
-def verdicts(run: Run) -> list[Verdict]:
-    return [*host_goals(run), *tower_goals(run), *bandwidth_goals(run)]
+def _best_peer(rows: dict[tuple[str, str], dict], case: str) -> dict | None:
+    peers = [r for (c, impl), r in rows.items() if c == case and impl not in QVL_ROWS]
+    return min(peers, key=lambda r: r["ms"], default=None)
+
+
+def _cases(rows: dict[tuple[str, str], dict], prefix: str) -> list[str]:
+    return [case for case in dict.fromkeys(c for c, _ in rows) if case.startswith(prefix)]
+
+
+def attention_goals(run: Run) -> Iterator[Verdict]:
+    rows = run.rows("attention")
+
+    def vs_best(case: str, impl: str) -> float | None:
+        best = _best_peer(rows, case)
+        return _ratio(best, rows.get((case, impl))) if best is not None else None
+
+    for workload, target in D72_WITH_ROPE.items():
+        case = f"{MODEL} {workload}"
+        yield _at_least(f"attention D 72 with rope, {case}: >= {target}x best peer", vs_best(case, "qvl+rope"), target)
+    rate_row = rows.get((f"{MODEL} {D72_RATE_CASE}", "qvl+rope"))
+    yield _at_least(
+        f"attention D 72 with rope, {MODEL} {D72_RATE_CASE}: >= {D72_RATE:g} TFLOP/s",
+        None if rate_row is None else rate_row["rate"],
+        D72_RATE,
+        unit=" TFLOP/s",
+    )
+    for case in _cases(rows, f"{MODEL} "):
+        plain, rope = rows.get((case, "qvl")), rows.get((case, "qvl+rope"))
+        goal = f"rope cost, {case}: qvl+rope <= {ROPE_COST:g}x qvl's time"
+        if plain is None or rope is None:
+            yield Verdict(goal, "-", None)
+        else:
+            yield Verdict(goal, f"{100 * (rope['ms'] / plain['ms'] - 1):+.1f}%", rope["ms"] <= ROPE_COST * plain["ms"])
+    d64 = _cases(rows, f"{D64_MODEL} ")
+    for case in d64:
+        yield _at_least(f"attention D 64, {case}: >= 1.0x best peer", vs_best(case, "qvl"), 1.0)
+    if not d64:
+        yield Verdict(f"attention D 64 ({D64_MODEL} cases): >= 1.0x best peer", "-", None)
+    if not rows:
+        yield Verdict("attention forward (bench_attention)", "-", None)
+    windows = run.rows("window")
+    window_cases = _cases(windows, "window ")
+    for case in window_cases:
+        ratio = _ratio(windows.get((case, "varlen_attn")), windows.get((case, "qvl")))
+        yield _at_least(f"{case}: >= {WINDOWS}x varlen_attn", ratio, WINDOWS)
+    if not window_cases:
+        yield Verdict("window attention (bench_window)", "-", None)
+    training = run.rows("attention_backward")
+    long_cases = [
+        case
+        for case in dict.fromkeys(c for c, _ in training)
+        if (found := re.search(r" S=(\d+)$", case)) and int(found.group(1)) >= TRAINING_MIN_S
+    ]
+    for case in long_cases:
+        impl = "qvl" if case.startswith(f"{D64_MODEL} ") else "qvl+rope"
+        best = _best_peer(training, case)
+        ratio = _ratio(best, training.get((case, impl))) if best is not None else None
+        yield _at_least(
+            f"forward + backward, {case} ({impl}): >= {TRAINING_VS_BEST}x best peer", ratio, TRAINING_VS_BEST
+        )
+    if not long_cases:
+        yield Verdict("forward + backward (bench_attention_backward)", "-", None)
+
+
+GOALS = {30: (attention_goals,), 31: (host_goals, tower_goals, bandwidth_goals)}
+
+
+def verdicts(run: Run, issues: Sequence[int] = tuple(GOALS)) -> list[Verdict]:
+    return [verdict for issue in issues for goals in GOALS[issue] for verdict in goals(run)]
 
 
 def table(found: Sequence[Verdict]) -> str:
@@ -193,12 +281,15 @@ def table(found: Sequence[Verdict]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[Verdict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="a run's results folder (bench/results/run-...)")
+    parser.add_argument("--issue", type=int, choices=sorted(GOALS), action="append", help="one issue's goals")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"not a folder: {args.folder}")
     run = Run(args.folder)
-    found = verdicts(run)
-    print(f"issue 31's goals in {args.folder} ({', '.join(sorted(run.reports)) or 'no reports'}):")
+    issues = args.issue or sorted(GOALS)
+    found = verdicts(run, issues)
+    names = " and ".join(map(str, issues))
+    print(f"issue {names}'s goals in {args.folder} ({', '.join(sorted(run.reports)) or 'no reports'}):")
     print(table(found))
     return found
 
