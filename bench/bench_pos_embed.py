@@ -13,8 +13,8 @@ positions too) to the launch.
     python -m bench.bench_pos_embed [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
 
 Rates are GB/s of the minimum traffic: hidden states read and written once, int32 indices and fp32
-weights read once, the table read once. 8B sizes (C=1152, a 48x48 table). On a CPU only the eager
-paths run, on tiny shapes.
+weights read once, the table read once; "copy" moves as many bytes with ``Tensor.copy_`` (issue 31's goal: 85 %
+of its rate). 8B sizes (C=1152, a 48x48 table). On a CPU only the eager paths run, on tiny shapes.
 """
 
 from __future__ import annotations
@@ -151,7 +151,12 @@ def run_case(
     report: Report, grids: tuple[Grid, ...], peers: dict[str, Bind], device: Device, dtype: torch.dtype
 ) -> None:
     sets = make_inputs(grids, device, dtype, harness.rotation_count(set_bytes(grids, dtype), device))
-    impls = {"qvl": qvl_add(device), "qvl+metadata": qvl_add(device, with_metadata=True), **peers}
+    impls = {
+        "qvl": qvl_add(device),
+        "qvl+metadata": qvl_add(device, with_metadata=True),
+        "copy": lambda x: harness.copy_call(x.hidden, min_bytes(x)),
+        **peers,
+    }
 
     def fresh() -> Inputs:
         # The qvl rows add in place: checks run on copies, so the timed sets stay as made.
@@ -161,7 +166,7 @@ def run_case(
     impls["qvl"](ref)()
 
     def check(name: str, call: Callable[[], torch.Tensor | None]) -> float | None:
-        if name == "qvl":
+        if name in ("qvl", "copy"):
             return None
         if name.startswith("qvl"):
             x = fresh()

@@ -8,7 +8,8 @@ computes cos/sin from the int32 positions inside the kernel.
     python -m bench.bench_rotary [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu]
 
 Rates are GB/s of the minimum traffic (q and k read and written once, positions read once) on the
-8B head shape (H=16, D=72). On a CPU only the torch paths run, on tiny shapes.
+8B head shape (H=16, D=72); "copy" moves as many bytes with ``Tensor.copy_`` (issue 31's goal: 85 % of its rate).
+On a CPU only the torch paths run, on tiny shapes.
 """
 
 from __future__ import annotations
@@ -133,11 +134,16 @@ def run_case(
     report: Report, grids: tuple[Grid, ...], peers: dict[str, Bind], device: Device, dtype: torch.dtype
 ) -> None:
     sets = make_inputs(grids, device, dtype, harness.rotation_count(set_bytes(grids, dtype), device))
-    impls = {"qvl": qvl_rotary(device), "qvl in-place": qvl_rotary(device, in_place=True), **peers}
+    impls = {
+        "qvl": qvl_rotary(device),
+        "qvl in-place": qvl_rotary(device, in_place=True),
+        "copy": lambda x: harness.copy_call(x[0], min_bytes(x)),
+        **peers,
+    }
     q_ref, k_ref = impls["qvl"](sets[0])()
 
     def check(name: str, call: Callable[[], object]) -> float | None:
-        if name == "qvl":
+        if name in ("qvl", "copy"):
             return None
         if name == "qvl in-place":
             q, k, pos = (t.clone() for t in sets[0])

@@ -262,6 +262,14 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def copy_call(like: torch.Tensor, traffic: float) -> Callable[[], object]:
+    """``Tensor.copy_`` moving ``traffic`` bytes (half read, half written) in ``like``'s dtype and device: the
+    device's copy bandwidth on a bandwidth kernel's footprint, the ceiling its rate is held against. Allocates
+    its two buffers here, once."""
+    count = int(traffic) // 2 // like.element_size()
+    return partial(like.new_empty(count).copy_, like.new_zeros(count))
+
+
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max|out - ref| / max|ref| in fp32; NaN anywhere in ``out`` gives NaN."""
     out32, ref32 = out.float(), ref.float()
