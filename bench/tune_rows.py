@@ -33,7 +33,7 @@ from qvl.kernels.gelu import bias_gelu_launches
 from qvl.kernels.layer_norm import layer_norm_launches
 from qvl.kernels.rotary import rotary_launches
 
-from .harness import DTYPES, agrees, max_rel_err
+from .harness import DTYPES, agrees, copy_call, max_rel_err, tensor_bytes
 
 Timer = Callable[[Callable[[], object]], float]  # milliseconds per call
 
@@ -72,10 +72,6 @@ def _randn(rows: int, cols: int, device: torch.device, dtype: torch.dtype, seed:
     return torch.randn(rows, cols, generator=generator, device=device).to(dtype)
 
 
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def norm_case(rows: int, cols: int, residual: bool) -> Callable[[torch.device, torch.dtype, float], Setup]:
     """LayerNorm (with the residual add when ``residual``) of ``rows x cols``: reads x (and delta), writes y (and h)."""
 
@@ -87,7 +83,7 @@ def norm_case(rows: int, cols: int, residual: bool) -> Callable[[torch.device, t
         h = torch.empty_like(x) if residual else None
         (launch,) = layer_norm_launches(x, delta if residual else None, h, weight, bias, y, 1e-6, device_target(device))
         outputs = (y, h) if residual else (y,)
-        traffic = _bytes(x, *outputs, weight, bias) + (_bytes(delta) if residual else 0)
+        traffic = tensor_bytes(x, *outputs, weight, bias) + (tensor_bytes(delta) if residual else 0)
         return Setup(launch, outputs, traffic, lambda config: (cdiv(n, config["BLOCK_M"]),))
 
     return make
@@ -101,9 +97,11 @@ def gelu_case(rows: int, cols: int, approximate: str) -> Callable[[torch.device,
         x, bias = _randn(n, cols, device, dtype, 0), _randn(1, cols, device, dtype, 1)[0]
         y = torch.empty_like(x)
         (launch,) = bias_gelu_launches(x, bias, y, approximate, device_target(device))
-        return Setup(
-            launch, (y,), _bytes(x, y, bias), lambda config: (cdiv(n, config["BLOCK_M"]), cdiv(cols, config["BLOCK_N"]))
-        )
+
+        def grid(config: dict) -> tuple[int, int]:
+            return cdiv(n, config["BLOCK_M"]), cdiv(cols, config["BLOCK_N"])
+
+        return Setup(launch, (y,), tensor_bytes(x, y, bias), grid)
 
     return make
 
@@ -118,7 +116,7 @@ def rotary_case(tokens: int, heads: int, head_dim: int) -> Callable[[torch.devic
         positions = torch.randint(0, 64, (n, 2), dtype=torch.int32, device=device)
         q_out, k_out = (torch.empty(n, heads, head_dim, dtype=dtype, device=device) for _ in range(2))
         (launch,) = rotary_launches(q, k, q_out, k_out, positions, 10000.0, device_target(device))
-        traffic = 2 * _bytes(q_out, k_out) + _bytes(positions)
+        traffic = 2 * tensor_bytes(q_out, k_out) + tensor_bytes(positions)
         return Setup(launch, (q_out, k_out), traffic, lambda config: (cdiv(n, config["BLOCK_T"]),))
 
     return make
@@ -189,10 +187,8 @@ def sweep_case(case: Case, device: torch.device, dtype: torch.dtype, timer: Time
         err = max(max_rel_err(out, ref) for out, ref in zip(setup.outputs, expected))
         ms = timer(lambda launch=launch: run_launches([launch], device))
         rows.append(Row(case.name, config, config is default, ms, setup.bytes / ms / 1e6, err))
-    source = torch.empty(setup.bytes // 2 // dtype.itemsize, dtype=dtype, device=device)
-    target = torch.empty_like(source)
-    ms = timer(lambda: target.copy_(source))
-    rows.append(Row(case.name, {"copy": True}, False, ms, 2 * _bytes(source) / ms / 1e6, None))
+    ms = timer(copy_call(setup.outputs[0], setup.bytes))
+    rows.append(Row(case.name, {"copy": True}, False, ms, setup.bytes / ms / 1e6, None))
     return rows
 
 
