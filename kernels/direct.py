@@ -8,7 +8,7 @@ nothing traces it. This module holds the functions torch.library registered for 
 path choice and launch, exactly as the op runs them), under the ops' names; :func:`~qvl.kernels.ops_for` hands
 them to the towers' layers in that case only, and ``torch.ops.qvl`` everywhere else (grad mode, torch.compile,
 a dispatch mode such as FakeTensorMode). Where the installed torch keeps no body for an op, its name here is the
-op itself, so a call is never wrong, only not cheaper (``tests/kernels/test_torch_path.py`` checks that every
+op itself, so a call is never wrong, only not cheaper (``tests/kernels/test_direct.py`` checks that every
 body is found).
 """
 
