@@ -1,20 +1,24 @@
-"""The ops' own bodies as plain functions, for eager inference on the Triton paths (issue 31's host time).
+"""The ops' own bodies as plain functions, for eager calls on the Triton paths (issue 31's host time).
 
 A call through ``torch.ops.qvl.<op>`` crosses the dispatcher twice (qvl's autograd router, then the backend kernel
 torch.library registered), boxing every argument each way: on the host that doubles the cost of a small call (a
 ``(1, 8)`` LayerNorm on a CPU: 15-20 µs through the op, 7-9 µs as its body, ``bench/results/host-cpu-20261204``).
-In eager inference nothing below the dispatcher is wanted: no gradient is recorded, no mode intercepts the call,
-nothing traces it. This module holds the functions torch.library registered for each op (argument checks,
-path choice and launch, exactly as the op runs them), under the ops' names; :func:`~qvl.kernels.ops_for` hands
-them to the towers' layers in that case only, and ``torch.ops.qvl`` everywhere else (grad mode, torch.compile,
-a dispatch mode such as FakeTensorMode). Where the installed torch keeps no body for an op, its name here is the
-op itself, so a call is never wrong, only not cheaper (``tests/kernels/test_direct.py`` checks that every
-body is found).
+When autograd has nothing to record (grad mode off, or no tensor argument requiring grad: the test the autograd
+router makes) nothing below the dispatcher is wanted. Each function here makes that test itself and then calls the
+function torch.library registered for the op (argument checks, path choice and launch, exactly as the op runs
+them), or else the op, whose autograd formula records the call. :func:`~qvl.kernels.ops_for` hands this module to
+the towers' layers on the Triton paths when nothing traces and no dispatch mode is active (FakeTensorMode and
+torch.compile see ``torch.ops.qvl``). Where the installed torch keeps no body for an op, its name here is the op
+itself, so a call is never wrong, only not cheaper (``tests/kernels/test_direct.py`` checks that every body is
+found).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+
+import torch
 
 from .attention.forward import vision_attn as _vision_attn
 from .gelu import bias_gelu as _bias_gelu
@@ -46,8 +50,20 @@ __all__ = [
 
 
 def body(op: Callable) -> Callable:
-    """The Python function torch.library registered as ``op``'s implementation, or ``op`` where it keeps none."""
-    return getattr(op, "_init_fn", None) or op
+    """``op``'s registered Python function where autograd has nothing to record, else ``op``; ``op`` itself where
+    torch.library keeps no function."""
+    function = getattr(op, "_init_fn", None)
+    if function is None:
+        return op
+    is_grad_enabled, any_requires_grad = torch.is_grad_enabled, torch._C._any_requires_grad
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if is_grad_enabled() and any_requires_grad(*args, *kwargs.values()):
+            return op(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return call
 
 
 add_layer_norm = body(_add_layer_norm)

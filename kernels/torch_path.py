@@ -72,19 +72,17 @@ def vision_attn(
 
 
 def ops_for(device: torch.device) -> ModuleType | torch._ops._OpNamespace:
-    """Where the towers' layers find qvl's ops for tensors on ``device``. With grad mode off (inference:
-    ``torch.no_grad``, ``torch.inference_mode``): this module on the ``"torch"`` path; on the Triton paths, eager and
-    with no dispatch mode active, :mod:`qvl.kernels.direct` (the ops' bodies, without the dispatcher's host time).
-    Everywhere else ``torch.ops.qvl``: the custom ops run Triton kernels, the references when ``"reference"`` is
-    forced, and under grad mode their own backward formulas, which compute in fp32 where autograd through this
-    module's 16-bit torch code would round each op's gradient (their forwards on the torch path are this module's
-    functions); torch.compile and modes such as FakeTensorMode see the ops. torch.compile traces the choice,
-    guarding on a forced path and on grad mode."""
-    if torch.is_grad_enabled():
-        return torch.ops.qvl
+    """Where the towers' layers find qvl's ops for tensors on ``device``. On the ``"torch"`` path with grad mode off
+    (inference: ``torch.no_grad``, ``torch.inference_mode``): this module. On the Triton paths, eager and with no
+    dispatch mode active: :mod:`qvl.kernels.direct`, whose functions skip the dispatcher's host time wherever autograd
+    has nothing to record and call the ops where it has. Everywhere else ``torch.ops.qvl``: the custom ops run Triton
+    kernels, the references when ``"reference"`` is forced, and under grad mode their own backward formulas, which
+    compute in fp32 where autograd through this module's 16-bit torch code would round each op's gradient (their
+    forwards on the torch path are this module's functions); torch.compile and modes such as FakeTensorMode see the
+    ops. torch.compile traces the choice, guarding on a forced path and on grad mode."""
     backend = backend_for(device)
     if backend == "torch":
-        return sys.modules[__name__]
+        return torch.ops.qvl if torch.is_grad_enabled() else sys.modules[__name__]
     # is_compiling first: traced, it is constant True and the dispatch-stack query is never reached.
     if backend in TRITON_BACKENDS and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0:
         return direct

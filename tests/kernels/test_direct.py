@@ -20,27 +20,49 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_every_op_has_its_body():
-    """On the installed torch each name is the registered Python function, not the op (which would work, through
-    the dispatcher, but save nothing)."""
+    """On the installed torch each name wraps the registered Python function, not the op (which would work,
+    through the dispatcher, but save nothing)."""
     for name in direct.__all__:
         function = getattr(direct, name)
         assert not isinstance(function, CustomOpDef) and callable(function), name
-        assert function.__name__ == name, name
+        assert function.__wrapped__.__name__ == name, name
 
 
-def test_ops_for_gives_the_bodies_to_eager_inference_only():
-    with torch.no_grad():
-        assert ops_for(TRITON_DEVICE) is direct
-    with torch.inference_mode():
-        assert ops_for(TRITON_DEVICE) is direct
-    with torch.enable_grad():
-        assert ops_for(TRITON_DEVICE) is torch.ops.qvl
+def test_ops_for_gives_the_bodies_to_eager_calls_only():
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with mode():
+            assert ops_for(TRITON_DEVICE) is direct, mode
     with torch.no_grad(), FakeTensorMode():
         assert ops_for(TRITON_DEVICE) is torch.ops.qvl
     with force_backend("reference"), torch.no_grad():
         assert ops_for(TRITON_DEVICE) is torch.ops.qvl
-    with force_backend("torch"), torch.no_grad():
-        assert ops_for(TRITON_DEVICE) is torch_path
+    with force_backend("torch"):
+        with torch.no_grad():
+            assert ops_for(TRITON_DEVICE) is torch_path
+        with torch.enable_grad():
+            assert ops_for(TRITON_DEVICE) is torch.ops.qvl
+
+
+def test_calls_autograd_records_go_through_the_ops():
+    """Grad mode on and an argument requiring grad: the op runs (its backward formula records the call), with the
+    op's gradients bit for bit; grad mode on and nothing requiring grad: the body runs, and nothing is recorded."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 24, device=DEVICE)
+    weight, bias = norm_params(24, torch.float32, DEVICE)
+    grad_y = torch.randn(5, 24, device=DEVICE)
+    results = []
+    for function in (direct.layer_norm, torch.ops.qvl.layer_norm):
+        leaf = weight.clone().requires_grad_()
+        y = function(x, leaf, bias, 1e-6)
+        assert y.grad_fn is not None
+        y.backward(grad_y)
+        results.append((y.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    plain = direct.layer_norm(x, weight, bias, 1e-6)
+    assert plain.grad_fn is None and torch.equal(plain, results[1][0])
+    # The in-place ops refuse autograd through the direct call as through the op.
+    with pytest.raises(RuntimeError, match="bias_gelu_ mutates its input"):
+        direct.bias_gelu_(x.clone(), bias.clone().requires_grad_(), "none")
 
 
 def test_bodies_equal_the_ops():
