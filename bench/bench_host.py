@@ -12,8 +12,8 @@ launch queue never fills and the loop measures the host. Implementations per op:
 * ``qvl``: ``torch.ops.qvl.<op>``, launching through qvl's fast launch path;
 * ``qvl triton-launch``: the same with the fast path off (:func:`qvl.kernels.common.set_fast_launch`), every
   launch through Triton's ``kernel[grid](...)``: the A/B of the fast path;
-* ``qvl direct``: the op's body called as a function (:mod:`qvl.kernels.direct`), as the towers' layers call it in
-  eager inference: what the dispatcher and torch.library's wrappers add is ``qvl`` minus this;
+* ``qvl direct``: the op's body called as a function (:mod:`qvl.kernels.direct`), as the towers' layers call it
+  wherever autograd has nothing to record: what the dispatcher and torch.library's wrappers add is ``qvl`` minus this;
 * ``torch``: torch's own equivalent (``F.layer_norm``, ``F.rms_norm``, ``F.gelu(x + b)``, ``F.silu(g + gb) * (u +
   ub)``, a transformers-style rotary on precomputed cos/sin, a gather-and-add for the position table,
   ``F.scaled_dot_product_attention`` for attention), the baseline; ``varlen_attn`` too for attention where torch
