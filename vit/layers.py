@@ -4,7 +4,8 @@ row-parallel linear whose one reduction tensor parallelism needs.
 Plain functions over weight tensors, so ``torch.compile`` sees through them to the ops and matmuls, and
 the same code runs over qvl's own modules and transformers' (:mod:`qvl.vit.hf_patch`). The ops come from
 :func:`qvl.kernels.ops_for`: on the CPU's torch path plain torch functions, which compiled code traces into and
-fuses with the matmuls' neighbours; elsewhere ``torch.ops.qvl``. Where a weight cannot
+fuses with the matmuls' neighbours; on the Triton paths in eager code the ops' bodies without the dispatcher
+(:mod:`qvl.kernels.direct`); elsewhere ``torch.ops.qvl``. Where a weight cannot
 be read as a tensor (vLLM's CPU linears keep it packed for oneDNN, quantized linears keep it encoded), or where
 another module sits in a linear's place (a PEFT LoRA adapter, a hooked linear: :func:`linear_parts`), a
 :data:`Product` callable stands in for it: ``x -> x @ weight.T``, bias-less, or the module's whole output with

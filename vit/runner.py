@@ -11,7 +11,9 @@ patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.vllm_tower`)
   nothing read back to the host, so :meth:`TowerRunner.compile` compiles it once for every batch shape. Its ops
   come from :func:`qvl.kernels.ops_for`: on a CPU outside Triton's interpreter, the ops' torch path as plain torch
   (torch's fused attention per run of equal-length segments, the rotary once per q and k), which a compiled
-  forward fuses with its neighbours (Inductor's C++ backend); elsewhere ``torch.ops.qvl``.
+  forward fuses with its neighbours (Inductor's C++ backend); on the Triton paths in eager code the ops' bodies
+  without the dispatcher (:mod:`qvl.kernels.direct`); elsewhere (compiled, or under a dispatch mode)
+  ``torch.ops.qvl``.
 
 The device forward is a sequence of module steps, each reading the parameters of one module only: the patch
 embedding (:func:`embed_step`), each block (:func:`block_step`) and each merger (:func:`merger_step`). Fusion
