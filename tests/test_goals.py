@@ -4,6 +4,7 @@ on synthetic runs that hold every row the goals read."""
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -149,3 +150,19 @@ def test_not_a_folder_exits_2(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         goals.main([str(tmp_path / "missing")])
     assert exit_info.value.code == 2
+
+
+def test_goal_names_are_the_benchmarks_case_names():
+    """The goals look rows up by the names the benchmarks give their GPU cases: a renamed case would leave its goal
+    'not measured' for good."""
+    from bench import bench_attention, bench_merger, bench_tower
+
+    gpu = SimpleNamespace(is_cuda=True)
+    assert set(goals.TOWER_EAGER) == {w.name for w in bench_tower.workloads(gpu)}
+    attention = {case.name for case in bench_attention.cases(gpu, quick=False)}
+    assert {f"{goals.MODEL} {workload}" for workload in goals.D72_WITH_ROPE} <= attention
+    assert any(name.startswith(f"{goals.D64_MODEL} ") for name in attention)
+    merger = {case.name for case in bench_merger.cases(gpu, quick=False)}
+    for size in goals.TOWER_SIZES:
+        assert any(name.endswith(size) for name in merger), size
+    assert any(name.startswith("merger T=1024 ") for name in merger)
