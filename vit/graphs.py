@@ -292,7 +292,8 @@ class TowerGraphs:
                 f"{runner.name}: its graphs were captured on {self.device} in {self.dtype}, but the tower is now on "
                 f"{runner.device} in {runner.dtype}; call capture() again after moving or casting it"
             )
-        if grid.shape[0] == 0 or needs_grad(pixel_values, *runner.tree.parameters()):
+        # Grad mode first: under no_grad / inference_mode the parameters are not walked (hundreds of µs a call).
+        if grid.shape[0] == 0 or (torch.is_grad_enabled() and needs_grad(pixel_values, *runner.tree.parameters())):
             return None
         for budget in self.budgets:  # smallest first; pad_batch builds metadata only for a batch that fits
             batch = pad_batch(runner, grid, budget, self.max_segments)
