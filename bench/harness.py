@@ -622,7 +622,7 @@ def main(description: str | None, benchmark: Callable[[RunConfig], Report], argv
         with cpu_threads(config.device):
             report = benchmark(config)
     except Cut:
-        if Report.latest is None or Report.latest is started:
+        if Report.latest is started:
             raise SystemExit(124) from None
         report, cut = Report.latest, True
         report.notes.append("cut short by SIGTERM (a timeout): only the rows measured before it")

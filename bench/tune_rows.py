@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from qvl.kernels.common import KernelLaunch, cdiv, device_target, run_launches
+from qvl.kernels.common import KernelLaunch, cdiv, device_target, next_power_of_2, run_launches
 from qvl.kernels.gelu import bias_gelu_launches
 from qvl.kernels.layer_norm import layer_norm_launches
 from qvl.kernels.rotary import rotary_launches
@@ -124,7 +124,7 @@ def rotary_case(tokens: int, heads: int, head_dim: int) -> Callable[[torch.devic
 
 def norm_candidates(cols: int) -> tuple[dict, ...]:
     """Rows per program x warps, for whole rows of ``next_power_of_2(cols)`` per program (what the kernel keeps)."""
-    block_c = 1 << (cols - 1).bit_length()
+    block_c = next_power_of_2(cols)
     found = []
     for block_m, warps in itertools.product((1, 2, 4, 8), (2, 4, 8, 16)):
         per_thread = block_m * block_c // (32 * warps)

@@ -8,9 +8,9 @@ router makes) nothing below the dispatcher is wanted. Each function here makes t
 function torch.library registered for the op (argument checks, path choice and launch, exactly as the op runs
 them), or else the op, whose autograd formula records the call. :func:`~qvl.kernels.ops_for` hands this module to
 the towers' layers on the Triton paths when nothing traces and no dispatch mode is active (FakeTensorMode and
-torch.compile see ``torch.ops.qvl``). Where the installed torch keeps no body for an op, its name here is the op
-itself, so a call is never wrong, only not cheaper (``tests/kernels/test_direct.py`` checks that every body is
-found).
+torch.compile see ``torch.ops.qvl``); its names are the ops the layers call, those :mod:`~qvl.kernels.torch_path`
+offers. Where the installed torch keeps no body for an op, its name here is the op itself, so a call is never
+wrong, only not cheaper (``tests/kernels/test_direct.py`` checks that every body is found, and the names).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from .pos_embed import pos_embed_interp_add_ as _pos_embed_interp_add_
 from .rms_norm import add_rms_norm as _add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
 from .rotary import rotary_2d as _rotary_2d
-from .rotary import rotary_2d_ as _rotary_2d_
 from .swiglu import bias_swiglu as _bias_swiglu
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "pos_embed_interp_add_",
     "rms_norm",
     "rotary_2d",
-    "rotary_2d_",
     "vision_attn",
 ]
 
@@ -76,5 +74,4 @@ pos_embed_interp = body(_pos_embed_interp)
 pos_embed_interp_add_ = body(_pos_embed_interp_add_)
 rms_norm = body(_rms_norm)
 rotary_2d = body(_rotary_2d)
-rotary_2d_ = body(_rotary_2d_)
 vision_attn = body(_vision_attn)

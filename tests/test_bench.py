@@ -148,7 +148,7 @@ def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         impls = ("qvl", "qvl in-place", "eager") if case.op == "bias_gelu" else ("qvl", "eager")
         impls += ("copy",) if case.op != "merger" else ()
         expected |= {(case.name, impl) for impl in impls}
-    check_records(data, expected, baseline="eager", unchecked=tuple(bench_merger.BANDWIDTH_PEERS))
+    check_records(data, expected, baseline="eager", unchecked=("copy",))
     assert data["skipped"]["compiled"] == "CPU run: torch paths only"
     units = {c.name: "TFLOP/s" if c.op == "merger" else "GB/s" for c in all_cases}
     assert all(r["unit"] == units[r["case"]] for r in data["records"])

@@ -26,6 +26,8 @@ def test_every_op_has_its_body():
         function = getattr(direct, name)
         assert not isinstance(function, CustomOpDef) and callable(function), name
         assert function.__wrapped__.__name__ == name, name
+    # The layers call the same names whichever module ops_for hands them.
+    assert set(direct.__all__) == set(torch_path.__all__) - {"ops_for", "vision_attn_sdpa"}
 
 
 def test_ops_for_gives_the_bodies_to_eager_calls_only():
