@@ -119,3 +119,35 @@ def test_floors_import_only_downwards():
         if name.startswith("qvl.vit"):
             assert not {m for m in found if m.startswith("bench")}, name
     assert not {m for m in imports["qvl.vit.balance"] if m.startswith("torch")}
+
+
+
+PUBLIC_NAMES_CHECK = """
+import importlib, sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        if exc.name in ("vllm", "sglang"):
+            continue
+        raise
+    missing += [f"{name}.{n}" for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
+print(missing)
+"""
+
+
+def test_every_public_name_exists():
+    """Each qvl module's ``__all__`` names only what the module has, so ``from module import *`` works. (Modules that
+    import vLLM or SGLang at their top are checked in those engines' suites only.)"""
+    modules = sorted(n for n in module_imports() if n.startswith("qvl.") and not n.endswith(".__main__"))
+    result = subprocess.run(
+        [sys.executable, "-c", PUBLIC_NAMES_CHECK, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        check=True,
+    )
+    assert result.stdout.strip() == "[]", result.stdout
