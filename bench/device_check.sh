@@ -4,21 +4,26 @@
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
 # Every step runs under its own timeout, so that one hang cannot spend the lease.
 #
-# default (at most 7.5 minutes, so that a 15-minute lease holds its start and one rerun):
+# default (at most about 9 minutes; the focused modes below leave a lease room for a rerun):
 #   1. device, driver, versions, commit                                                   device.txt
+#   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split and the padded tiling of D 72,
+#      and D 80 with --attention/--full, against float64; the rope forward timed in both); every later step runs
+#      in the layout it prints (QVL_ATTENTION_HEAD_DIM: split where it agreed, else padded)
+#                                                                         head_dim.log, head_dim.json, device.txt
 #   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35); it writes
 #      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
 #   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
 #      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls
 #                                                                                           gpu_tests.log
-#   4. compute-sanitizer memcheck of a small attention forward + backward, if the tool is there  memcheck.log
+#   4. compute-sanitizer memcheck of a small attention forward + backward (split layout, and the run's where it
+#      differs), if the tool is there                                                         memcheck.log
 #   5. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   6. the plots of the whole run (bench.plot)                                               *.png
 #   7. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
-# --attention (under ~5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
+# --attention (under ~7 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
 #   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
-# --tower (about 7 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
+# --tower (about 8 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
 #   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
 #   SDPA eager), the bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports,
 #   writes nothing; tune_rows.log, tune_rows.json), rotary, the position table.
@@ -49,7 +54,7 @@ ship() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
   for f in device.txt attention_tiles.json goals.txt; do [ -f "$out/$f" ] && cp "$out/$f" "$OUT/"; done
-  for log in gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
+  for log in head_dim gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
   return 0
 }
 phase() { ship; echo "=== $1 (at $((SECONDS - started)) s)"; }
@@ -76,6 +81,21 @@ phase device
   echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
 } 2>&1 | tee "$out/device.txt"
 
+# The split head-dim tiling (72 = 64 + 16) has run in the interpreter only: check it and the padded one on this
+# device first, and run everything after in the layout that agreed (padded, the layout an H200 ran right before,
+# when the check finds split wrong or gives no verdict). --attention and --full check D 80 (Qwen2.5-VL) as well.
+phase "head-dim layout check"
+head_dims=(72)
+layout_timeout=75
+case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=120 ;; esac
+timeout -k 10 "$layout_timeout" python3 -m bench.head_dim_check --head-dims "${head_dims[@]}" \
+  --json "$out/head_dim.json" 2>&1 | tee "$out/head_dim.log" | tail -8
+layout="$(sed -n 's/^head-dim layout: //p' "$out/head_dim.log" | tail -1)"
+verdict="chosen by bench.head_dim_check"
+[ -n "$layout" ] || { layout=padded; verdict="bench.head_dim_check gave no verdict"; }
+export QVL_ATTENTION_HEAD_DIM="$layout"
+echo "attention head-dim layout: $layout ($verdict)" | tee -a "$out/device.txt"
+
 tower_tests() {
   phase "CUDA tests"
   timeout 75 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
@@ -98,22 +118,29 @@ kernel_checks() {
 
   phase memcheck
   if command -v compute-sanitizer >/dev/null; then
-    timeout 40 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+import os
 import torch
 import qvl.kernels  # noqa: F401
+from qvl.kernels.attention import set_head_dim_layout
 torch.manual_seed(0)
 lengths = [1, 100, 64, 0, 300]
 cu = torch.tensor([0, 1, 101, 165, 165, 465], dtype=torch.int32, device="cuda")
 positions = torch.randint(0, 20, (sum(lengths), 2), dtype=torch.int32, device="cuda")
-for head_dim in (72, 80, 64):
-    for hint in (300, 64):
-        qkv = torch.randn(sum(lengths), 3, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        q, k, v = qkv.unbind(1)
-        for pos in (positions, None):
-            out = torch.ops.qvl.vision_attn(q, k, v, cu, hint, positions=pos)
-            out.float().square().sum().backward()
+# The split layout always (what a wrong one reads is the question), and the run's layout where that is another.
+layouts = sorted({"split", os.environ["QVL_ATTENTION_HEAD_DIM"]}, reverse=True)
+for layout in layouts:
+    set_head_dim_layout(layout)
+    for head_dim in (72, 80, 64):
+        for hint in (300, 64):
+            qkv = torch.randn(sum(lengths), 3, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            q, k, v = qkv.unbind(1)
+            for pos in (positions, None):
+                out = torch.ops.qvl.vision_attn(q, k, v, cu, hint, positions=pos)
+                out.float().square().sum().backward()
 torch.cuda.synchronize()
-print("memcheck cases ran: vision_attn forward + backward with and without rope, bf16, D 72/80/64, both tile hints")
+print(f"memcheck cases ran: vision_attn forward + backward with and without rope, bf16, D 72/80/64, both tile hints,"
+      f" head-dim layouts {layouts}")
 EOF
   else
     echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"

@@ -32,6 +32,7 @@ import triton
 import triton.testing
 
 import qvl.kernels.common as qvl_common
+from qvl.kernels.attention import head_dim_layout
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -504,7 +505,7 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         d = self.device
-        return _finite(
+        return strict_json(
             {
                 "bench": self.bench,
                 "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -531,14 +532,14 @@ class Report:
         return path
 
 
-def _finite(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """Non-finite floats become strings: strict JSON has no NaN or Infinity."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [strict_json(v) for v in value]
     return value
 
 
@@ -556,6 +557,8 @@ def _versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         "qvl_commit": commit,
+        # How the attention kernels tiled heads that are not a power of two (device runs may fall back to padded).
+        "attention_head_dim_layout": head_dim_layout(),
     }
 
 

@@ -19,7 +19,9 @@ with that ``max_seqlen`` hint, which selects the short-segment tiles).
 Beyond the launch configuration ``vision_attn`` picks today: ``--descriptors`` compiles it with K and V loaded
 through TMA descriptors; ``--candidates`` compiles every tile candidate ``bench.tune_attention`` sweeps (without
 rope); ``--table`` compiles every sm_90 entry of the packaged tile table (what a device chose); ``--heuristic``
-the tiles ``vision_attn`` takes where the table has no entry. Each row also
+the tiles ``vision_attn`` takes where the table has no entry. ``--head-dim-layout padded`` compiles heads that are not
+a power of two as one padded tile instead of the split main + tail tiles (``--table``: each entry in the layout its
+key names; the ``head-dim tiles`` column says which ran). Each row also
 gives the key loop's warp-instructions per 1,000 useful multiply-adds (q.k and p.v at the true head dim:
 ``loop x warps x 1000 / (2 x BLOCK_M x BLOCK_N x D)``), which compares tiles of different sizes. Numbers of the
 compiler, not timings: they guide tile and fusion choices until a device measures them.
@@ -51,6 +53,7 @@ LAYOUTS = ("packed", "offset")
 COLUMNS = {
     "head_dim": "head_dim",
     "rope": "rope on q",
+    "head_dim_tiles": "head-dim tiles",
     "tiles": "BLOCK_M x BLOCK_N / warps / stages",
     "descriptors": "TMA loads",
     "registers": "registers",
@@ -130,44 +133,54 @@ def inspect(compiled) -> dict:
 
 
 def variants(args: argparse.Namespace) -> list[dict]:
-    """What to compile: ``{head_dim, rope, max_seqlen, dtype, tiles}`` per row, from the command line."""
+    """What to compile: ``{head_dim, rope, max_seqlen, dtype, tiles, head_dim_layout}`` per row, from the command
+    line."""
+    layout = args.head_dim_layout
     if args.table:
         found = []
         for key, entry in attention.tile_table().items():
-            arch, dtype_name, head_dim, segments = key.split("/")
+            arch, dtype_name, head_dim, segments, *padded = key.split("/")
             if arch != f"cuda:{HOPPER.arch}":
                 continue
             tiles = {name: entry[name] for name in attention.TILE_KEYS}
             max_seqlen = attention.SHORT_SEGMENT_MAX if segments == "short" else None
             dtype = getattr(torch, dtype_name)
-            found += [dict(head_dim=int(head_dim[1:]), rope=rope, max_seqlen=max_seqlen, dtype=dtype, tiles=tiles)
+            found += [dict(head_dim=int(head_dim[1:]), rope=rope, max_seqlen=max_seqlen, dtype=dtype, tiles=tiles,
+                           head_dim_layout="padded" if padded == ["padded"] else "split")
                       for rope in (False, True)]  # fmt: skip
         return found
     if args.candidates:
         from .tune_attention import candidates
 
         tiles_list = candidates(attention.segment_class(args.max_seqlen))
-        return [dict(head_dim=d, rope=False, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles)
-                for d in args.head_dim for tiles in tiles_list]  # fmt: skip
+        return [dict(head_dim=d, rope=False, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles,
+                     head_dim_layout=layout) for d in args.head_dim for tiles in tiles_list]  # fmt: skip
 
     def tiles(head_dim: int) -> dict | None:
         if args.heuristic:
             return attention.heuristic_tiles(head_dim, torch.bfloat16, HOPPER, args.max_seqlen)
         return {"DESCRIPTORS": True} if args.descriptors else None
 
-    return [dict(head_dim=d, rope=rope, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles(d))
-            for d in args.head_dim for rope in (False, True)]  # fmt: skip
+    return [dict(head_dim=d, rope=rope, max_seqlen=args.max_seqlen, dtype=torch.bfloat16, tiles=tiles(d),
+                 head_dim_layout=layout) for d in args.head_dim for rope in (False, True)]  # fmt: skip
 
 
 def compile_row(variant: dict, layout: str) -> dict:
     """One variant's row: its launch configuration and :func:`inspect`'s columns."""
-    launch = stand_in_launches(
-        variant["head_dim"], variant["rope"], layout, variant["dtype"], HOPPER, variant["max_seqlen"], variant["tiles"]
-    )[-1]
+    before = attention.head_dim_layout()
+    attention.set_head_dim_layout(variant["head_dim_layout"])
+    try:
+        launch = stand_in_launches(
+            variant["head_dim"], variant["rope"], layout, variant["dtype"], HOPPER, variant["max_seqlen"],
+            variant["tiles"],
+        )[-1]  # fmt: skip
+    finally:
+        attention.set_head_dim_layout(before)
     config = launch.kwargs
     row = {
         "head_dim": variant["head_dim"],
         "rope": variant["rope"],
+        "head_dim_tiles": f"{config['D_MAIN']}+{config['D_TAIL']}",
         "dtype": str(variant["dtype"]).removeprefix("torch."),
         "max_seqlen": variant["max_seqlen"],
         "tiles": f"{config['BLOCK_M']}x{config['BLOCK_N']}/{config['num_warps']}/{config['num_stages']}",
@@ -189,6 +202,8 @@ def main(argv=None) -> None:
     choice.add_argument("--candidates", action="store_true", help="every tile candidate of bench.tune_attention")
     choice.add_argument("--table", action="store_true", help="every sm_90 entry of the packaged tile table")
     choice.add_argument("--heuristic", action="store_true", help="the tiles taken where the table has no entry")
+    parser.add_argument("--head-dim-layout", choices=attention.HEAD_DIM_LAYOUTS, default=attention.head_dim_layout(),
+                        help="how heads that are not a power of two are tiled (--table: each entry's own)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
     args = parser.parse_args(argv)
     if not args.json:

@@ -13,7 +13,8 @@ ahead in worker processes (Triton's disk cache then serves the launches), checke
 on the case's batch and on ragged segments that end inside a tile (the timed batches are multiples of every
 tile, and a compiler bug on ragged blocks once passed a check on them alone), and timed with
 ``triton.testing.do_bench`` on the case's batch. The fastest correct candidate becomes the entry, with its time
-and the heuristic's. The sweep stops at ``--budget-s`` and writes what it measured.
+and the heuristic's. The sweep stops at ``--budget-s`` and writes what it measured. It sweeps the head-dim
+layout in use (``QVL_ATTENTION_HEAD_DIM``); entries of the padded layout are keyed apart (``.../padded``).
 
     python -m bench.tune_attention [--budget-s 240] [--head-dims 64 72 80] [--dtypes bf16]
                                    [--table kernels/attention_tiles.json] [--dry-run]
@@ -128,9 +129,15 @@ def _compile(case: Case, tiles: dict, target) -> str | None:
 
 def compile_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """The worker processes :func:`precompile` uses, started once for the whole sweep (each imports torch and
-    Triton). Spawned, not forked: the parent has initialized CUDA, which a forked child may not touch."""
+    Triton), in this process's head-dim layout. Spawned, not forked: the parent has initialized CUDA, which a
+    forked child may not touch."""
     spawn = multiprocessing.get_context("spawn")
-    return concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=spawn)
+    return concurrent.futures.ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=spawn,
+        initializer=attention.set_head_dim_layout,
+        initargs=(attention.head_dim_layout(),),
+    )
 
 
 def precompile(pool, case: Case, tiles_list: Sequence[dict], target) -> list[str | None]:

@@ -74,6 +74,18 @@ def fresh_attention_plans():
 
 
 @pytest.fixture
+def use_head_dim_layout():
+    """``use_head_dim_layout(layout)`` switches the attention kernels' head-dim layout
+    (:func:`qvl.kernels.attention.set_head_dim_layout`) for the rest of the test; the process's layout comes back
+    after it."""
+    from qvl.kernels.attention import head_dim_layout, set_head_dim_layout
+
+    before = head_dim_layout()
+    yield set_head_dim_layout
+    set_head_dim_layout(before)
+
+
+@pytest.fixture
 def empty_tile_table(monkeypatch, fresh_attention_plans):
     """Attention launches configured by the heuristic alone: the packaged tile table (a device's sm_90 entries,
     checked where they are used: test_attention_descriptors, test_cuda_compile) reads as empty."""

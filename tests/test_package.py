@@ -121,7 +121,6 @@ def test_floors_import_only_downwards():
     assert not {m for m in imports["qvl.vit.balance"] if m.startswith("torch")}
 
 
-
 PUBLIC_NAMES_CHECK = """
 import importlib, sys
 missing = []

@@ -99,3 +99,10 @@ def test_dry_run_lists_the_sweep_without_a_gpu(capsys):
     tune.main(["--dry-run", "--head-dims", "72"])
     out = capsys.readouterr().out.splitlines()
     assert out == ["D72 bfloat16 long: 54 candidates, 3 segments", "D72 bfloat16 short: 12 candidates, 144 segments"]
+
+
+def test_compile_workers_take_the_head_dim_layout_in_use(use_head_dim_layout):
+    """A padded sweep compiles the padded kernels it then times (the workers are spawned, not forked)."""
+    use_head_dim_layout("padded")
+    with tune.compile_pool(1) as pool:
+        assert pool.submit(attention.head_dim_layout).result(timeout=120) == "padded"

@@ -15,7 +15,9 @@ mapping is the same for every tile, so a hint smaller than a real segment is sti
 
 Head dims that are not a power of two run as a power-of-two main tile and a narrower tail tile flush with the
 head's end (72 = 64 + the columns 56..71), so the dot products do 80/72 of the needed work at D 72 and none extra
-at D 80; :func:`head_dim_tiles` says how and why no load needs a column mask.
+at D 80; :func:`head_dim_tiles` says how and why no load needs a column mask. ``QVL_ATTENTION_HEAD_DIM=padded`` (or
+:func:`set_head_dim_layout`) takes one padded power-of-two tile instead, the layout that ran right on an H200 before
+the split one existed: a device run falls back to it where the split tiling is wrong (``bench/head_dim_check.py``).
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
 
@@ -55,6 +57,8 @@ segment's fp32 logits, is the tests' oracle (``force_backend("reference")``).
 
 from .backward import vision_attn_backward, vision_attn_backward_launches, vision_attn_backward_reference
 from .config import (
+    HEAD_DIM_LAYOUT_VARIABLE,
+    HEAD_DIM_LAYOUTS,
     MAX_HEAD_DIM,
     SHORT_SEGMENT_MAX,
     TILE_KEYS,
@@ -62,12 +66,14 @@ from .config import (
     AttentionWork,
     HeadDimTiles,
     backward_launch_config,
+    head_dim_layout,
     head_dim_tiles,
     heuristic_tiles,
     launch_config,
     launch_work,
     reload_tile_table,
     segment_class,
+    set_head_dim_layout,
     tile_key,
     tile_table,
     tma_capable,
@@ -82,6 +88,8 @@ from .forward import (
 )
 
 __all__ = [
+    "HEAD_DIM_LAYOUT_VARIABLE",
+    "HEAD_DIM_LAYOUTS",
     "MAX_HEAD_DIM",
     "SHORT_SEGMENT_MAX",
     "TILE_KEYS",
@@ -90,12 +98,14 @@ __all__ = [
     "backward_launch_config",
     "equal_length_runs",
     "HeadDimTiles",
+    "head_dim_layout",
     "head_dim_tiles",
     "heuristic_tiles",
     "launch_config",
     "launch_work",
     "reload_tile_table",
     "segment_class",
+    "set_head_dim_layout",
     "tile_key",
     "tile_table",
     "tma_capable",

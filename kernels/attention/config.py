@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -36,7 +37,10 @@ __all__ = [
     "backward_launch_config",
     "descriptor_of",
     "head_dim_config",
+    "HEAD_DIM_LAYOUTS",
+    "HEAD_DIM_LAYOUT_VARIABLE",
     "HeadDimTiles",
+    "head_dim_layout",
     "head_dim_tiles",
     "heuristic_tiles",
     "kv_descriptors",
@@ -45,6 +49,7 @@ __all__ = [
     "needs_wide_offsets",
     "segment_class",
     "segment_search_steps",
+    "set_head_dim_layout",
     "reload_tile_table",
     "tile_key",
     "tile_table",
@@ -71,26 +76,59 @@ class HeadDimTiles(NamedTuple):
         return self.main + self.tail
 
 
-def head_dim_tiles(head_dim: int) -> HeadDimTiles:
-    """The head-dim tiling of the attention kernels for heads of ``head_dim`` columns.
+# How heads whose width is not a power of two are tiled (see head_dim_tiles), for every attention kernel of the
+# process: "split" (the default) or "padded", from this environment variable, read once at import.
+HEAD_DIM_LAYOUTS = ("split", "padded")
+HEAD_DIM_LAYOUT_VARIABLE = "QVL_ATTENTION_HEAD_DIM"
 
-    A power of two is one tile (at least 16 wide: narrower heads take a 16-wide tile with masked columns).
-    Otherwise the main tile is the largest power of two below ``head_dim`` and the tail tile the smallest power
-    of two (at least 16) that holds the rest, placed flush with the head's end: 72 = 64 + the 16 columns
-    ``[56, 72)``, 80 = 64 + ``[64, 80)``, 96 = 64 + 32. The dots then do 80/72 (1.11x) of the useful work at D 72
-    and none extra at 80 or 96, where one tile of the next power of two does 128/72 and 128/80. Where the tail
-    would be as wide as the main tile (D 24, 112, 200), one tile of twice the main width is the same work.
+
+def _checked_layout(layout: object, source: str) -> str:
+    if layout not in HEAD_DIM_LAYOUTS:
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, HEAD_DIM_LAYOUTS))}, got {layout!r}")
+    return layout
+
+
+_head_dim_layout = _checked_layout(os.environ.get(HEAD_DIM_LAYOUT_VARIABLE) or "split", HEAD_DIM_LAYOUT_VARIABLE)
+
+
+def head_dim_layout() -> str:
+    """The head-dim layout the attention kernels use now: ``"split"`` or ``"padded"`` (:func:`head_dim_tiles`)."""
+    return _head_dim_layout
+
+
+def set_head_dim_layout(layout: str) -> None:
+    """Tile non-power-of-two heads as ``layout`` from the next launch on, forward and backward (plans made for the
+    other layout are dropped). ``QVL_ATTENTION_HEAD_DIM`` sets it at import; ``bench.head_dim_check`` decides it
+    for a device run. ValueError for any other value."""
+    global _head_dim_layout
+    _head_dim_layout = _checked_layout(layout, "layout")
+    reload_tile_table()
+
+
+def head_dim_tiles(head_dim: int, layout: str | None = None) -> HeadDimTiles:
+    """The head-dim tiling of the attention kernels for heads of ``head_dim`` columns in ``layout`` (default: the
+    process's, :func:`head_dim_layout`).
+
+    A power of two is one tile in both layouts (at least 16 wide: narrower heads take a 16-wide tile with masked
+    columns). Otherwise, ``"split"``: the main tile is the largest power of two below ``head_dim`` and the tail
+    tile the smallest power of two (at least 16) that holds the rest, placed flush with the head's end: 72 = 64 +
+    the 16 columns ``[56, 72)``, 80 = 64 + ``[64, 80)``, 96 = 64 + 32. The dots then do 80/72 (1.11x) of the useful
+    work at D 72 and none extra at 80 or 96, where one tile of the next power of two does 128/72 and 128/80. Where
+    the tail would be as wide as the main tile (D 24, 112, 200), one tile of twice the main width is the same work.
+    ``"padded"``: one tile of the next power of two, its columns past the head masked (the layout every Qwen head
+    dim ran correctly on an H200, at 1.78x the useful work at D 72).
 
     Every tail column is a real column of the head: no load needs a column mask. The columns the two tiles
     share (``[56, 64)`` at D 72) are counted once: the kernels zero them in the tail of the resident operand
     of each dot that sums over the head dim, and store only the tail's columns past the main tile. (The
     16-wide tail the kernels had before, columns ``[64, 80)`` masked to ``< 72``, computed wrong results on an
     H200 with Triton 3.6 wherever a segment ended inside a key block, though the same kernels were right in
-    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/.)"""
+    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. The split layout
+    has not run on a GPU yet; the padded one is the fallback a device run takes where it is wrong.)"""
     if head_dim <= 16:
         return HeadDimTiles(16, 0)
     main = next_power_of_2(head_dim)
-    if main == head_dim:
+    if main == head_dim or (layout or _head_dim_layout) == "padded":
         return HeadDimTiles(main, 0)
     main //= 2
     tail = max(16, next_power_of_2(head_dim - main))
@@ -119,9 +157,14 @@ def segment_class(max_seqlen: int | None) -> str:
 
 
 def tile_key(target: GPUTarget, head_dim: int, dtype: torch.dtype, max_seqlen: int | None) -> str:
-    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``."""
+    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``, with ``"/padded"`` appended where the
+    padded head-dim layout is in use and tiles ``head_dim`` otherwise than the split one (tiles measured for one
+    layout say nothing of the other)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
+    key = f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
+    if _head_dim_layout == "padded" and head_dim_tiles(head_dim) != head_dim_tiles(head_dim, "split"):
+        key += "/padded"
+    return key
 
 
 def tma_capable(target: GPUTarget) -> bool:

@@ -4,6 +4,9 @@ The Triton kernel runs through Triton's interpreter here (see conftest.py); shap
 """
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ON_GPU, float64_rotary
-from qvl.kernels import force_backend, rotary_2d_reference, vision_attn_reference
+from qvl.kernels import attention, force_backend, rotary_2d_reference, vision_attn_reference
 from qvl.kernels.attention import head_dim_tiles, launch_config
-from qvl.kernels.common import device_target
+from qvl.kernels.common import HOPPER, device_target
 from tolerance import assert_error_within, online_softmax_ulps
 
 
@@ -129,6 +132,45 @@ def test_head_dim_tiles_are_a_power_of_two_and_a_flush_tail():
         # The tail lies inside the head and covers every column the main tile leaves.
         assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
     assert head_dim_tiles(72).width / 72 <= 1.15
+
+
+def test_padded_head_dim_layout_takes_one_power_of_two_tile():
+    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
+    assert [tuple(head_dim_tiles(d, "padded")) for d in dims] == [
+        (16, 0), (16, 0), (32, 0), (64, 0), (64, 0), (128, 0), (128, 0), (128, 0), (128, 0), (256, 0), (256, 0),
+        (256, 0),
+    ]  # fmt: skip
+
+
+def test_head_dim_layout_switch(use_head_dim_layout):
+    """The process's layout is the default of head_dim_tiles, the launch configuration's tiling and the tile table's
+    key (a padded entry is its own); anything but the two layouts is refused by name."""
+    use_head_dim_layout("split")
+    assert head_dim_tiles(72) == (64, 16)
+    split_key = attention.tile_key(HOPPER, 72, torch.bfloat16, None)
+    use_head_dim_layout("padded")
+    assert head_dim_tiles(72) == (128, 0)
+    config = launch_config(72, torch.bfloat16, HOPPER)
+    assert (config["D_MAIN"], config["D_TAIL"]) == (128, 0)
+    backward = attention.backward_launch_config(80, torch.bfloat16)
+    assert {(c["D_MAIN"], c["D_TAIL"]) for c in backward.values()} == {(128, 0)}
+    assert attention.tile_key(HOPPER, 72, torch.bfloat16, None) == split_key + "/padded"
+    assert attention.tile_key(HOPPER, 64, torch.bfloat16, None) == "cuda:90/bfloat16/D64/long"  # one layout
+    with pytest.raises(ValueError, match="layout must be one of 'split', 'padded', got 'pad'"):
+        attention.set_head_dim_layout("pad")
+    assert attention.head_dim_layout() == "padded"
+
+
+@pytest.mark.parametrize("value, layout", [("padded", "padded"), ("", "split"), ("wide", None)])
+def test_head_dim_layout_from_the_environment(value, layout):
+    code = "import qvl.kernels.attention as a; print(a.head_dim_layout(), a.head_dim_tiles(72))"
+    env = {**os.environ, attention.HEAD_DIM_LAYOUT_VARIABLE: value}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if layout is None:
+        assert result.returncode != 0
+        assert "QVL_ATTENTION_HEAD_DIM must be one of 'split', 'padded', got 'wide'" in result.stderr
+    else:
+        assert result.stdout.split()[0] == layout, result.stderr
 
 
 def test_softmax_scale_and_contiguous_inputs():

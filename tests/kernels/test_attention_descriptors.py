@@ -156,7 +156,7 @@ def test_packaged_table_is_well_formed():
     table = json.loads(attention.TILE_TABLE_PATH.read_text())
     assert table["tiles"] == attention.tile_table()
     for key, entry in table["tiles"].items():
-        assert re.fullmatch(r"cuda:\d+/(float16|bfloat16|float32)/D\d+/(short|long)", key), key
+        assert re.fullmatch(r"cuda:\d+/(float16|bfloat16|float32)/D\d+/(short|long)(/padded)?", key), key
         assert entry["BLOCK_M"] in (64, 128) and entry["BLOCK_N"] in (32, 64, 128), key
         assert entry["num_warps"] in (4, 8) and entry["num_stages"] in (2, 3, 4), key
         assert isinstance(entry["DESCRIPTORS"], bool), key

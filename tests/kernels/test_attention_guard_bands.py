@@ -7,7 +7,8 @@ read as 0, no address faults), which is how a wrong head-dim tail passed here on
 
 Segments end inside key and query blocks ([1, 100, 64, 0, 33]: every tile class of 64- and 128-row tiles), head
 dims 72 (a tail sharing 8 columns with the main tile), 80 (a tail flush with the main tile) and 24 (one tile wider
-than the head), pointer and TMA-descriptor loads, with and without the fused rotary.
+than the head), 72 and 80 in the padded head-dim layout too (one 128-wide tile, the fallback of a device run),
+pointer and TMA-descriptor loads, with and without the fused rotary.
 """
 
 import pytest
@@ -17,7 +18,7 @@ from test_attention_backward import assert_gradients_close_to_float64
 
 from conftest import ON_GPU
 from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
-from qvl.kernels.attention import tma_capable, vision_attn_backward_launches, vision_attn_launches
+from qvl.kernels.attention import head_dim_tiles, tma_capable, vision_attn_backward_launches, vision_attn_launches
 from qvl.kernels.common import device_target, run_launches
 
 LENGTHS = [1, 100, 64, 0, 33]
@@ -39,9 +40,14 @@ def guarded_inputs(head_dim, dtype, layout, with_positions, seed, device):
 @pytest.mark.parametrize("descriptors", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("head_dim", [72, 80, 24])
-def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_positions, descriptors, device):
+@pytest.mark.parametrize(
+    "head_dim, head_dim_layout", [(72, "split"), (80, "split"), (24, "split"), (72, "padded"), (80, "padded")]
+)
+def test_forward_and_backward_inside_guard_bands(
+    head_dim, head_dim_layout, layout, with_positions, descriptors, device, use_head_dim_layout
+):
     """fp16 in the interpreter, which multiplies bf16 dots wrongly; bf16 on a GPU, the towers' dtype."""
+    use_head_dim_layout(head_dim_layout)
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     (q, k, v, grad_out, positions), pads = guarded_inputs(head_dim, dtype, layout, with_positions, head_dim, device)
     cu = cu_seqlens_of(LENGTHS, device)
@@ -54,6 +60,7 @@ def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_position
     # TMA needs every K and V row on a 16-byte boundary (the unaligned layout takes pointers whatever is asked) and a
     # target that has it.
     assert launches[-1].kwargs["DESCRIPTORS"] == (descriptors and layout == "aligned" and tma_capable(target))
+    assert (launches[-1].kwargs["D_MAIN"], launches[-1].kwargs["D_TAIL"]) == head_dim_tiles(head_dim, head_dim_layout)
     run_launches(launches, q.device)
     assert_clean(q, k, v, out, lse)
     assert_close_to_float64(out.contiguous(), q, k, v, cu, positions=positions, max_seqlen=max(LENGTHS))
@@ -62,6 +69,8 @@ def test_forward_and_backward_inside_guard_bands(head_dim, layout, with_position
     backward = vision_attn_backward_launches(
         grad_out, q, k, v, out, lse, dq, dk, dv, cu, None, positions, 10000.0, target, max(LENGTHS)
     )
+    tilings = {(launch.kwargs["D_MAIN"], launch.kwargs["D_TAIL"]) for launch in backward if "D_MAIN" in launch.kwargs}
+    assert tilings == {head_dim_tiles(head_dim, head_dim_layout)}
     run_launches(backward, q.device)
     assert_clean(q, k, v, out, lse, grad_out, dq, dk, dv)
     grads = tuple(g.contiguous() for g in (dq, dk, dv))

@@ -1,0 +1,185 @@
+"""Which head-dim layout a device run's attention takes: ``python -m bench.head_dim_check``.
+
+The split layout (72 = 64 + a 16-wide tail, :func:`qvl.kernels.attention.head_dim_tiles`) is checked in Triton's
+interpreter only; the tiling it replaced was right there too and wrong on an H200 wherever a segment ended inside
+a key block (bench/results/diag-20261204/). So a device run checks it before anything else uses it: for each head
+dim, in the split and the padded layout, the forward without rope on segments that end inside key blocks, one
+shorter than a key block alone (the H200's NaN case) and block multiples, and forward + backward with rope (as the
+towers train) on the ragged segments, each against the float64 reference (the harness's bound on the relative
+error, :data:`bench.harness.TOLERANCE`); on a GPU it then times the forward with rope, the towers' call, at S 4,096
+and on a mixed batch in both layouts. Last it prints ``head-dim layout: split`` where every split check agreed,
+else ``head-dim layout: padded``: bench/device_check.sh exports that as ``QVL_ATTENTION_HEAD_DIM`` for its later
+steps (tile sweep, tests, benchmarks), so a wrong split tiling costs the run its speed, not its numbers.
+
+    python -m bench.head_dim_check [--head-dims 72 80] [--dtype bf16] [--quick] [--json FILE]
+
+``--quick`` takes small shapes (2 heads, segments of at most 65 tokens) and times nothing: the interpreter's run
+(bf16 dots are wrong in the interpreter: check fp16 there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from qvl.kernels import attention
+
+from .harness import DTYPES, TOLERANCE, attention_flops, max_rel_err, strict_json
+
+# Forward checks without rope, (segment lengths, max_seqlen hint) by name: segments ending inside query tiles and
+# key blocks, one shorter than any key block alone (no hint: the long segments' tiles, as on the H200 that failed),
+# multiples of every tile, and windows with the window tiles' hint. The rope forward + backward check runs on the
+# first.
+LENGTHS = {
+    "ragged": ((1, 257, 1024, 33, 0, 130), None),
+    "short": ((33,), None),
+    "aligned": ((1024, 256), None),
+    "windows": ((64, 48, 0, 16, 1, 37), 64),
+}
+QUICK_LENGTHS = {
+    "ragged": ((1, 65, 33, 0, 17), None),
+    "short": ((33,), None),
+    "aligned": ((64, 128), None),
+    "windows": ((64, 48, 0, 1, 37), 64),
+}
+TIMED = {"S 4,096": (4096,), "mixed": (4096, 1024, 1024, 256, 256, 64)}
+NUM_HEADS, QUICK_HEADS = 16, 2
+
+
+def batch(lengths: Sequence[int], num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    """q, k, v (views of a packed qkv, the towers' layout), cu_seqlens, positions (a patch grid's rows and columns)
+    and an output gradient, seeded by the layout."""
+    generator = torch.Generator().manual_seed(sum(lengths) * 131 + head_dim)
+    num_tokens = sum(lengths)
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, generator=generator).to(device, dtype)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    positions = torch.randint(0, 64, (num_tokens, 2), generator=generator, dtype=torch.int32).to(device)
+    grad_out = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(device, dtype)
+    return (*qkv.unbind(1), cu_seqlens, positions, grad_out)
+
+
+def relative_error(outputs: Sequence[torch.Tensor], truths: Sequence[torch.Tensor]) -> float:
+    """The largest :func:`~bench.harness.max_rel_err` of ``outputs`` against ``truths``; NaN if any is."""
+    errors = [max_rel_err(out, truth) for out, truth in zip(outputs, truths)]
+    return math.nan if any(map(math.isnan, errors)) else max(errors)
+
+
+def forward_error(lengths, hint, num_heads, head_dim, dtype, device) -> float:
+    q, k, v, cu_seqlens, _, _ = batch(lengths, num_heads, head_dim, dtype, device)
+    out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, hint)
+    truth = attention.vision_attn_reference(q.double(), k.double(), v.double(), cu_seqlens)
+    return relative_error([out], [truth])
+
+
+def rope_training_error(lengths, hint, num_heads, head_dim, dtype, device) -> float:
+    """Forward with rope and the gradients of q, k, v, against float64."""
+    q, k, v, cu_seqlens, positions, grad_out = batch(lengths, num_heads, head_dim, dtype, device)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = torch.ops.qvl.vision_attn(*leaves, cu_seqlens, hint, positions=positions)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    truth = attention.vision_attn_reference(*wide, cu_seqlens, positions=positions)
+    truth_grads = torch.autograd.grad(truth, wide, grad_out.double())
+    return relative_error([out.detach(), *grads], [truth.detach(), *truth_grads])
+
+
+def checks(head_dim: int, dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
+    """Every check's relative error, by name, in the layout in use."""
+    lengths = QUICK_LENGTHS if quick else LENGTHS
+    num_heads = QUICK_HEADS if quick else NUM_HEADS
+    errors = {}
+    for name, (layout, hint) in lengths.items():
+        errors[f"forward {name}"] = forward_error(layout, hint, num_heads, head_dim, dtype, device)
+    errors["rope fwd+bwd ragged"] = rope_training_error(*lengths["ragged"], num_heads, head_dim, dtype, device)
+    return errors
+
+
+def timings(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
+    """The forward with rope (the towers' inference call) per :data:`TIMED` batch: ms and useful TFLOP/s."""
+    import triton
+
+    found = {}
+    for name, lengths in TIMED.items():
+        q, k, v, cu_seqlens, positions, _ = batch(lengths, NUM_HEADS, head_dim, dtype, device)
+        ms = triton.testing.do_bench(
+            lambda: torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max(lengths), positions=positions),
+            warmup=10,
+            rep=40,
+        )
+        tflops = attention_flops(NUM_HEADS, head_dim, lengths) / (ms * 1e-3) / 1e12
+        found[name] = {"ms": round(ms, 5), "tflops": round(tflops, 1)}
+    return found
+
+
+def agreed(errors: dict[str, float], dtype: torch.dtype) -> bool:
+    return all(err <= TOLERANCE[dtype] for err in errors.values())  # NaN compares False
+
+
+def choose(results: dict, dtype: torch.dtype) -> str:
+    """``"split"`` where every split check of every head dim agreed, else ``"padded"``."""
+    splits = [row["errors"] for row in results["rows"] if row["layout"] == "split"]
+    return "split" if all(agreed(errors, dtype) for errors in splits) else "padded"
+
+
+def run(head_dims: Sequence[int], dtype: torch.dtype, device: torch.device, quick: bool) -> dict:
+    """Check (and on a GPU without ``quick``, time) every head dim in both layouts; the layout in use before is
+    restored. Returns ``{"rows": [...], "layout": the choice}``."""
+    before = attention.head_dim_layout()
+    rows = []
+    try:
+        for head_dim, layout in itertools.product(head_dims, attention.HEAD_DIM_LAYOUTS):
+            attention.set_head_dim_layout(layout)
+            tiles = attention.head_dim_tiles(head_dim)
+            row = {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
+            try:
+                row["errors"] = checks(head_dim, dtype, device, quick)
+            except Exception as exc:  # noqa: BLE001 - e.g. an illegal address: the layout fails, the report goes on
+                row["errors"] = {"raised": math.nan}
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            row["agrees"] = agreed(row["errors"], dtype)
+            if device.type == "cuda" and not quick and row["agrees"]:
+                row["timings"] = timings(head_dim, dtype, device)
+            rows.append(row)
+            print(describe(row), flush=True)
+    finally:
+        attention.set_head_dim_layout(before)
+    results = {"rows": rows}
+    results["layout"] = choose(results, dtype)
+    return results
+
+
+def describe(row: dict) -> str:
+    errors = ", ".join(f"{name} {err:.1e}" for name, err in row["errors"].items())
+    timed = "".join(
+        f"; rope forward {name}: {t['ms']:.4f} ms, {t['tflops']} TFLOP/s" for name, t in row.get("timings", {}).items()
+    )
+    verdict = "agrees" if row["agrees"] else "WRONG"
+    raised = f" ({row['error']})" if "error" in row else ""
+    return f"D {row['head_dim']} {row['layout']} ({row['tiles']}): {verdict}{raised}: {errors}{timed}"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[72, 80])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--quick", action="store_true", help="small shapes, no timing (the interpreter's run)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
+    results = run(args.head_dims, dtype, device, args.quick)
+    results.update(dtype=args.dtype, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    if args.json is not None:
+        args.json.write_text(json.dumps(strict_json(results), indent=2) + "\n")
+    print(f"head-dim layout: {results['layout']}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
