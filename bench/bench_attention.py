@@ -6,8 +6,9 @@ FlashAttention), ``flex_attention`` compiled with a per-image block mask, SDPA c
 (``sdpa/cudnn``, ``sdpa/flash``; on a CPU ``sdpa/image``, torch's own choice), flash-attn's
 ``flash_attn_varlen_func`` (FA2) and FlashAttention 3's (``flash_attn_interface``, Hopper), and SGLang's
 ``triton_attn`` ViT backend (``context_attention_fwd``, where sglang imports; CUDA only). qvl also
-runs with its fused rotary (``positions=``, the call the towers make) and with ``rotary_2d`` on q and k before
-it, to show what rope costs each way.
+runs with its fused rotary (``positions=``, the call the towers make), with ``rotary_2d`` on q and k before it, and
+with ``rotary_2d_`` rotating them in place inside a packed qkv first (what an inference tower could do instead), to
+show what rope costs each way.
 
     python -m bench.bench_attention [--dtype bf16] [--quick] [--json PATH] [--device auto|cuda|cpu] [--skip PEERS]
 
@@ -127,6 +128,25 @@ def qvl_rotary_then_attn(device: Device) -> Bind:
             with harness.qvl_path(device):
                 q, k = torch.ops.qvl.rotary_2d(x.q, x.k, x.positions)
                 return torch.ops.qvl.vision_attn(q, k, x.v, x.cu_seqlens, x.max_seqlen)
+
+        return call
+
+    return bind
+
+
+def qvl_rotary_in_place_then_attn(device: Device) -> Bind:
+    """Rope where an inference tower could put it instead: ``rotary_2d_`` rotating q and k in place inside the qkv
+    projection's output (the towers' packed ``(T, 3, H, D)`` layout, a copy of the inputs made here: rotating the
+    shared ones would change what the other implementations read), then plain ``vision_attn`` on its views. Each
+    call rotates the copy again; that changes its values, not the work."""
+
+    def bind(x: Inputs) -> Callable[[], torch.Tensor]:
+        q, k, v = torch.stack((x.q, x.k, x.v), 1).unbind(1)
+
+        def call() -> torch.Tensor:
+            with harness.qvl_path(device):
+                torch.ops.qvl.rotary_2d_(q, k, x.positions)
+                return torch.ops.qvl.vision_attn(q, k, v, x.cu_seqlens, x.max_seqlen)
 
         return call
 
@@ -254,7 +274,12 @@ QVL_VARIANTS: dict[str, Callable[[Device], Bind]] = {
     "qvl": qvl_attn,
     "qvl+rope": partial(qvl_attn, rope=True),
     "rotary_2d+qvl": qvl_rotary_then_attn,
+    "rotary_2d_+qvl": qvl_rotary_in_place_then_attn,
 }
+# Variants autograd cannot record (an in-place op on q and k): the forward benchmark's only.
+INFERENCE_ONLY = frozenset({"rotary_2d_+qvl"})
+# Variants that compute attention of the rotated q and k.
+WITH_ROPE = frozenset({"qvl+rope", "rotary_2d+qvl", "rotary_2d_+qvl"})
 PEERS: dict[str, Callable[[Device], Bind]] = {
     "varlen_attn": varlen_attn,
     "flex_attention": flex_attention,
@@ -290,13 +315,16 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
     def check(name: str, call: Callable[[], torch.Tensor]) -> float | None:
         if name == "qvl":
             return None
-        with_rope = name in ("qvl+rope", "rotary_2d+qvl")
-        return harness.max_rel_err(call().reshape(ref.shape), rope_ref if with_rope else ref)
+        return harness.max_rel_err(call().reshape(ref.shape), rope_ref if name in WITH_ROPE else ref)
 
     flops = harness.attention_flops(case.dims.num_heads, case.dims.head_dim, x.seqlens)
     calls = {name: [bind(s) for s in sets] for name, bind in impls.items()}
     records = harness.check_then_time(report, case.name, flops, calls, check)
-    for name, what in (("qvl+rope", "fused rope"), ("rotary_2d+qvl", "separate rope")):
+    for name, what in (
+        ("qvl+rope", "fused rope"),
+        ("rotary_2d+qvl", "separate rope"),
+        ("rotary_2d_+qvl", "in-place rope"),
+    ):
         if "qvl" in records and name in records:
             overhead = 100 * (records[name].ms / records["qvl"].ms - 1)
             records[name].note = f"{what} {overhead:+.1f}% vs qvl"

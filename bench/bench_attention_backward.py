@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import bench_attention, harness
-from .bench_attention import BASELINES, PEERS, QVL_VARIANTS, Bind, Case, Inputs
+from .bench_attention import BASELINES, INFERENCE_ONLY, PEERS, QVL_VARIANTS, WITH_ROPE, Bind, Case, Inputs
 from .harness import Device, Report, RunConfig
 from .workloads import square
 
@@ -75,7 +75,8 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
         case, device, dtype, harness.rotation_count(bench_attention.set_bytes(case, dtype), device)
     )
     x = sets[0]
-    impls = {**{name: with_backward(build(device), device) for name, build in QVL_VARIANTS.items()}, **peers}
+    variants = {name: build for name, build in QVL_VARIANTS.items() if name not in INFERENCE_ONLY}
+    impls = {**{name: with_backward(build(device), device) for name, build in variants.items()}, **peers}
     ref = impls["qvl"](x)()
     # The rope variants' dq and dk are gradients of the unrotated q and k; rotated forward (the rotation is
     # orthogonal) they are the gradients of the rotated q and k, which plain qvl gives on pre-rotated inputs.
@@ -88,7 +89,7 @@ def run_case(report: Report, case: Case, peers: dict[str, Bind], device: Device,
             return None
         grads = [g.reshape(x.q.shape) for g in call()]
         expected = ref
-        if name in ("qvl+rope", "rotary_2d+qvl"):
+        if name in WITH_ROPE:
             with harness.qvl_path(device):
                 grads[:2] = torch.ops.qvl.rotary_2d(*grads[:2], x.positions)
             expected = rope_ref

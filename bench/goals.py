@@ -57,7 +57,7 @@ TOWER_SIZES = ("16384x1152", "4096x4608", "16384x4304")
 MERGER_TOKENS = 1024
 TOWER_TOKENS = 4096  # the rotary's and the position table's cases from here on are at the tower's sizes
 # Issue 30: the attention benchmarks' case names (model, then workloads.label of the batch) and their goals.
-QVL_ROWS = ("qvl", "qvl+rope", "rotary_2d+qvl")
+QVL_ROWS = ("qvl", "qvl+rope", "rotary_2d+qvl", "rotary_2d_+qvl")  # bench_attention.QVL_VARIANTS: not peers
 D72_WITH_ROPE = {label(square(1024)): 1.0, **{label(g): 1.15 for g in (square(4096), square(16384), MIXED_8, VIDEO_16)}}
 D72_RATE_CASE, D72_RATE = label(square(16384)), 420.0
 ROPE_COST = 1.05

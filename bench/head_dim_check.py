@@ -13,8 +13,8 @@ steps (tile sweep, tests, benchmarks), so a wrong split tiling costs the run its
 
     python -m bench.head_dim_check [--head-dims 72 80] [--dtype bf16] [--quick] [--json FILE]
 
-``--quick`` takes small shapes (2 heads, segments of at most 65 tokens) and times nothing: the interpreter's run
-(bf16 dots are wrong in the interpreter: check fp16 there).
+``--quick`` takes small shapes (2 heads, segments of at most 128 tokens) and times nothing: the interpreter's run
+(``TRITON_INTERPRET=1``; bf16 dots are wrong in the interpreter: check fp16 there).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from qvl.kernels import attention
+from qvl.kernels.common import backend_for
 
 from .harness import DTYPES, TOLERANCE, attention_flops, max_rel_err, strict_json
 
@@ -172,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if backend_for(device) not in ("triton", "interpreter"):
+        parser.error("no Triton kernel runs here: on a CPU set TRITON_INTERPRET=1 (and pass --quick --dtype fp16)")
     dtype = DTYPES[args.dtype]
     results = run(args.head_dims, dtype, device, args.quick)
     results.update(dtype=args.dtype, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")

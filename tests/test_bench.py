@@ -81,11 +81,12 @@ def test_attention_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     data, out = run_cpu(bench_attention, tmp_path, capsys)
     check_meta(data, "attention")
     names = [case.name for case in bench_attention.cases(CPU, quick=True)]
-    impls = ("qvl", "qvl+rope", "rotary_2d+qvl", "sdpa/image")
+    impls = ("qvl", "qvl+rope", "rotary_2d+qvl", "rotary_2d_+qvl", "sdpa/image")
     check_records(data, {(c, i) for c in names for i in impls}, baseline="sdpa/image")
     for peer in ("varlen_attn", "flex_attention", "flash_attn"):
         assert data["skipped"][peer] == "CPU run: torch paths only"
-    for impl, note in (("qvl+rope", "fused rope "), ("rotary_2d+qvl", "separate rope ")):
+    notes = (("qvl+rope", "fused rope "), ("rotary_2d+qvl", "separate rope "), ("rotary_2d_+qvl", "in-place rope "))
+    for impl, note in notes:
         assert all(r["note"].startswith(note) for r in data["records"] if r["impl"] == impl)
     check_table_last(out, names[-1], "sdpa/image")
 

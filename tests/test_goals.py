@@ -166,3 +166,4 @@ def test_goal_names_are_the_benchmarks_case_names():
     for size in goals.TOWER_SIZES:
         assert any(name.endswith(size) for name in merger), size
     assert any(name.startswith("merger T=1024 ") for name in merger)
+    assert set(goals.QVL_ROWS) == set(bench_attention.QVL_VARIANTS)  # qvl's rows are never counted as peers

@@ -4,6 +4,8 @@ fallback to the padded layout when a split check disagrees or raises."""
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +51,16 @@ def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsy
     assert "D 80 split (64+16): WRONG (RuntimeError: CUDA error" in capsys.readouterr().out
     only_72 = {"rows": [{**row, "errors": {"x": 1e-3}} if row["layout"] == "split" else row for row in results["rows"]]}
     assert head_dim_check.choose(only_72, torch.float16) == "split"
+
+
+def test_refuses_to_check_the_torch_path():
+    """Without Triton's interpreter on a CPU the op runs torch's attention: no tiling to check."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.head_dim_check", "--quick"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 2 and "no Triton kernel runs here" in result.stderr, result.stderr
