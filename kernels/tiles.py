@@ -16,6 +16,7 @@ to the parameter's dtype.
 """
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -28,12 +29,15 @@ __all__ = [
     "LOG2E",
     "PARTIAL_ROWS",
     "aligned_stride",
+    "aligned_view",
     "epilogue_backward_config",
     "last_dim_contiguous",
     "row_split",
     "row_tiles",
+    "row_vector",
     "sum_partials_launch",
     "times_sigmoid",
+    "vector_multiple",
 ]
 
 # log2(e) for the kernels (Triton reads globals only as constexprs).
@@ -51,6 +55,40 @@ def aligned_stride(stride, base):
     """
     elements: tl.constexpr = 128 // base.dtype.element_ty.primitive_bitwidth
     return stride // elements * elements
+
+
+def aligned_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(view, shift)``: ``x`` as a view of its storage starting ``shift`` elements earlier, so that its data
+    pointer is 16-byte aligned (Triton proves pointer alignment only from that), and ``shift``; ``(x, 0)`` where
+    ``x`` is aligned already or its storage starts misaligned. A kernel handed the view adds ``shift`` (a
+    constexpr) back: the stacked ``(N, 2F)`` GEMM output's second half starts 8 bytes off a 16-byte boundary at
+    F = 3,420 in 16-bit dtypes, and loads from it then move in 8-byte vectors instead of element by element. The
+    view's elements are a prefix of the storage's, so nothing outside it is addressed."""
+    shift = x.data_ptr() % 16 // x.element_size()
+    if shift == 0 or x.storage_offset() < shift:
+        return x, 0
+    return x.as_strided(x.shape, x.stride(), x.storage_offset() - shift), shift
+
+
+def row_vector(num_cols: int, row_strides: Sequence[int], element_size: int) -> int:
+    """The widest vector, in elements (a power of two, at most 16 bytes), that divides ``num_cols`` and every one
+    of ``row_strides``: a row-wise kernel told so (a ``VEC`` meta-parameter, the sizes re-derived in the kernel
+    with :func:`vector_multiple`) moves its rows in vectors that wide where the data pointers allow. Triton
+    proves only multiples of 16 elements by itself, so rows of Qwen2.5-VL's 3,420-wide MLP, 8-byte aligned in
+    16-bit dtypes, would otherwise move element by element."""
+    width = 16 // element_size
+    while width > 1 and (num_cols % width or any(stride % width for stride in row_strides)):
+        width //= 2
+    return width
+
+
+@triton.jit
+def vector_multiple(n, VEC: tl.constexpr):
+    """``n``, which the host found to be a multiple of ``VEC`` (:func:`row_vector`), rounded down to it: the same
+    value, in a form the compiler can prove divisible by ``VEC`` (see :func:`aligned_stride`)."""
+    if VEC > 1:
+        n = n // VEC * VEC
+    return n
 
 
 @triton.jit

@@ -80,10 +80,19 @@ def rms_norm(num_cols, add):
     return rms_norm_launches(x, delta if add else None, h if add else None, weight, y, 1e-6, HOPPER)
 
 
+def bias_swiglu_two_gemms(num_cols):
+    """gate and up as two GEMM outputs (qvl's and transformers' Qwen2.5-VL MLP), two biases."""
+    gate, up, y = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(3))
+    return bias_swiglu_launches(
+        gate, up, torch.empty(num_cols, dtype=BF16), torch.empty(num_cols, dtype=BF16), y, HOPPER
+    )
+
+
 def bias_swiglu_stacked(num_cols):
-    """gate and up as the column halves of one stacked GEMM output (row stride 2F)."""
+    """gate and up as the column halves of one stacked GEMM output (row stride 2F) and their biases as the halves
+    of one stacked bias (vLLM's ``gate_up_proj``)."""
     gate_up = torch.empty(TOKENS, 2 * num_cols, dtype=BF16)
-    gate_bias, up_bias = torch.empty(2, num_cols, dtype=BF16)
+    gate_bias, up_bias = torch.empty(2 * num_cols, dtype=BF16).chunk(2)
     y = torch.empty(TOKENS, num_cols, dtype=BF16)
     return bias_swiglu_launches(gate_up[:, :num_cols], gate_up[:, num_cols:], gate_bias, up_bias, y, HOPPER)
 
@@ -158,16 +167,23 @@ def pos_embed_backward():
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def registers_and_stack(compiled) -> tuple[int | None, int | None]:
-    """Registers and stack bytes per thread of a compiled kernel, from its cubin (None, None without
-    cuobjdump). Stack is where spilled registers go."""
+# A global load or store of one 16- or 8-bit element: rows moved element by element instead of in vectors.
+NARROW_GLOBAL = re.compile(r"\b(?:LDG|STG)\.E(?:\.\w+)*\.(?:U16|S16|U8|S8)\b")
+
+
+def cubin_facts(compiled) -> tuple[int | None, int | None, int | None]:
+    """Registers and stack bytes per thread of a compiled kernel, and its count of narrow global accesses
+    (:data:`NARROW_GLOBAL`), from its cubin (None for each without cuobjdump). Stack is where spilled registers
+    go."""
     if not CUOBJDUMP.exists():
-        return None, None
+        return None, None, None
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
-    return int(re.search(r"REG:(\d+)", usage.stdout).group(1)), int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
+        sass = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    return registers, int(re.search(r"STACK:(\d+)", usage.stdout).group(1)), len(NARROW_GLOBAL.findall(sass))
 
 
 VARIANTS = {
@@ -202,6 +218,7 @@ VARIANTS = {
     "bias_gelu quick bf16 F=5120": lambda: bias_gelu(QWEN2_MLP, "quick"),
     "rms_norm bf16 C=1280": lambda: rms_norm(QWEN25_HIDDEN, False),
     "add_rms_norm bf16 C=1280": lambda: rms_norm(QWEN25_HIDDEN, True),
+    "bias_swiglu bf16 F=3420": lambda: bias_swiglu_two_gemms(QWEN25_MLP),
     "bias_swiglu bf16 F=3420 stacked": lambda: bias_swiglu_stacked(QWEN25_MLP),
     # The other ops' backwards (attention's are above).
     "layer_norm_backward bf16 C=1152": lambda: norm_backward(HIDDEN, 2, False),
@@ -224,7 +241,7 @@ def main():
         target = ADA if name.endswith("sm_89") else HOPPER
         for launch in launches:
             compiled = compile_launch(launch, target)
-            registers, stack = registers_and_stack(compiled)
+            registers, stack, narrow = cubin_facts(compiled)
             line = {
                 "name": name,
                 "kernel": compiled.metadata.name,
@@ -234,6 +251,7 @@ def main():
                 "num_stages": compiled.metadata.num_stages,
                 "registers": registers,
                 "stack": stack,
+                "narrow_global": narrow,
             }
             print(json.dumps(line), flush=True)
 

@@ -162,3 +162,20 @@ def test_tile_table_entries_keep_the_key_loop_spill_free():
     rows = run_compiler("-m", "bench.sass_attention", "--table", "--json")
     assert len(rows) == 2 * len(entries), rows
     assert all(row["loop_local_memory"] == 0 for row in rows), rows
+
+
+@needs_cuobjdump
+def test_row_wise_kernels_move_rows_in_vectors(compiled_variants):
+    """The norms', GELU's and SwiGLU's kernels, forward and backward, load and store their rows in vectors (no
+    16-bit global access) at the towers' widths in bf16: Qwen2.5-VL's 3,420-wide SwiGLU too, from two GEMMs and
+    from the halves of one stacked GEMM output (8-byte vectors: kernels/tiles.row_vector and aligned_view; its
+    rows moved element by element before)."""
+    _, compiled = compiled_variants
+    kernels = (
+        "_norm_kernel", "_norm_backward_kernel", "_bias_gelu_kernel", "_bias_gelu_backward_kernel",
+        "_bias_swiglu_kernel", "_bias_swiglu_backward_kernel",
+    )  # fmt: skip
+    checked = [line for line in compiled if line["kernel"] in kernels and " bf16 " in line["name"]]
+    assert {line["name"] for line in checked} >= {"bias_swiglu bf16 F=3420", "bias_swiglu bf16 F=3420 stacked"}
+    assert {line["kernel"] for line in checked} == set(kernels)
+    assert not [line for line in checked if line["narrow_global"]], checked

@@ -57,17 +57,45 @@ def test_bias_swiglu(dtype, backend, device):
     assert_error_within(y[~large], truth[~large], eager[~large], what="bias_swiglu")
 
 
-def test_stacked_gemm_halves(backend, device):
-    """The two column halves of one (N, 2F) GEMM output (row stride 2F) give what two tensors give."""
+@pytest.mark.parametrize("num_cols", [136, 140, 138])
+def test_stacked_gemm_halves(num_cols, backend, device):
+    """The two column halves of one (N, 2F) GEMM output (row stride 2F) and of one stacked bias give what two
+    tensors give. F 136 keeps every half 16-byte aligned; 140 (as Qwen2.5-VL's 3,420) puts the up halves 8 bytes
+    off, 138 4 bytes off: the kernel then takes them as aligned views and shifts back (kernels/tiles.aligned_view)."""
     torch.manual_seed(4)
-    stacked = torch.randn(50, 2 * 136, device=device, dtype=torch.bfloat16)
-    gate_bias, up_bias = torch.randn(2, 136, device=device, dtype=torch.bfloat16)
-    gate, up = stacked[:, :136], stacked[:, 136:]
+    stacked = torch.randn(50, 2 * num_cols, device=device, dtype=torch.bfloat16)
+    gate_bias, up_bias = torch.randn(2 * num_cols, device=device, dtype=torch.bfloat16).chunk(2)
+    gate, up = stacked[:, :num_cols], stacked[:, num_cols:]
     y = torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
     assert torch.equal(y, torch.ops.qvl.bias_swiglu(gate.contiguous(), up.contiguous(), gate_bias, up_bias))
+    assert torch.equal(y, torch.ops.qvl.bias_swiglu(gate, up, gate_bias.clone(), up_bias.clone()))
     before = stacked.clone()
     torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
     assert torch.equal(stacked, before)
+
+
+@pytest.mark.parametrize("num_cols, vector, up_shift", [(136, 8, 0), (3420, 4, 4), (138, 2, 2), (137, 1, 1)])
+def test_launches_move_rows_in_the_widest_vectors_the_layout_allows(num_cols, vector, up_shift):
+    """The stacked bf16 layout's launch parameters: VEC elements divide F and every row stride (2F and F), and the
+    up half and the up bias, which start F elements into their storage, are passed as views starting up_shift
+    elements earlier, so that every pointer the kernel gets is 16-byte aligned (CPU storages start aligned)."""
+    stacked = torch.empty(8, 2 * num_cols, dtype=torch.bfloat16)
+    gate_bias, up_bias = torch.empty(2 * num_cols, dtype=torch.bfloat16).chunk(2)
+    gate, up = stacked[:, :num_cols], stacked[:, num_cols:]
+    y, grad_y = torch.empty(8, num_cols, dtype=torch.bfloat16), torch.empty(8, num_cols, dtype=torch.bfloat16)
+    d_gate, d_up, partials = torch.empty_like(y), torch.empty_like(y), torch.empty(2, 1, num_cols)
+    d_biases = torch.empty(2, num_cols, dtype=torch.bfloat16)
+    target = device_target(gate.device)
+    forward, *_ = bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target)
+    backward, _ = bias_swiglu_backward_launches(
+        grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, *d_biases, target
+    )
+    for launch in (forward, backward):
+        shifts = [launch.kwargs[f"SHIFT_{name}"] for name in ("GATE", "UP", "GATE_BIAS", "UP_BIAS")]
+        assert (launch.kwargs["VEC"], shifts) == (vector, [0, up_shift, 0, up_shift])
+        for name in ("Gate", "Up", "GateBias", "UpBias"):
+            assert launch.args[name].data_ptr() % 16 == 0, name
+        assert launch.args["Up"].data_ptr() + 2 * up_shift == up.data_ptr()
 
 
 def tiny_mlp(dtype, device) -> Qwen2_5_VLMLP:
