@@ -35,13 +35,6 @@
 # timeout the rows it measured (printed, and saved in its JSON noted as cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bench_stamp="$(date -u +%Y%m%d-%H%M%S)"
-stamp="run-${bench_stamp%??}"
-out="bench/results/$stamp"
-mkdir -p "$out"
-shim="$(mktemp -d)"
-mkdir -p "$shim/qvl" && ln -s "$PWD/kernels" "$shim/qvl/kernels" && ln -s "$PWD/vit" "$shim/qvl/vit"
-export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 quick=--quick
 mode="${1:-}"
 [ "$mode" = "--full" ] && quick=
@@ -49,6 +42,13 @@ case "$mode" in
   ""|--full|--attention|--tower) ;;
   *) echo "usage: bash bench/device_check.sh [--attention | --tower | --full]" >&2; exit 2 ;;
 esac
+bench_stamp="$(date -u +%Y%m%d-%H%M%S)"
+stamp="run-${bench_stamp%??}"
+out="bench/results/$stamp"
+mkdir -p "$out"
+shim="$(mktemp -d)"
+mkdir -p "$shim/qvl" && ln -s "$PWD/kernels" "$shim/qvl/kernels" && ln -s "$PWD/vit" "$shim/qvl/vit"
+export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 started=$SECONDS
 ship() {
   [ -n "${OUT:-}" ] || return 0
