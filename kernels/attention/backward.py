@@ -28,7 +28,7 @@ from ..common import (
     runs_torch,
 )
 from ..rotary import rotary_2d_reference, rotary_launches
-from ..tiles import LOG2E, aligned_stride, last_dim_contiguous
+from ..tiles import LOG2E, aligned_stride, last_dim_contiguous, row_vector, vector_multiple
 from .config import backward_launch_config, needs_wide_offsets, segment_search_steps
 from .forward import (
     check_attn_args,
@@ -69,12 +69,16 @@ def _attn_bwd_delta_kernel(
     stride_oh,
     stride_dot,
     stride_doh,
-    # meta-parameters
+    # meta-parameters: VEC elements divide HEAD_DIM and the four strides (row_vector)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] in fp32, one ``BLOCK_T``-token tile of one head."""
+    # A head stride of 72 elements proves nothing to the compiler: rows would load element by element.
+    stride_ot, stride_oh = vector_multiple(stride_ot, VEC), vector_multiple(stride_oh, VEC)
+    stride_dot, stride_doh = vector_multiple(stride_dot, VEC), vector_multiple(stride_doh, VEC)
     head = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
@@ -563,7 +567,8 @@ def vision_attn_backward_launches(
         stride_dot=grad_out.stride(0),
         stride_doh=grad_out.stride(1),
     )
-    delta_config = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4, **FMA_CONTRACTION)
+    vec = row_vector(head_dim, [*out.stride()[:2], *grad_out.stride()[:2]], out.element_size())
+    delta_config = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t, VEC=vec, num_warps=4, **FMA_CONTRACTION)
     launches.append(
         KernelLaunch(_attn_bwd_delta_kernel, (cdiv(num_tokens, block_t), num_heads), delta_args, delta_config)
     )

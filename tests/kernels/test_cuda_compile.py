@@ -166,14 +166,15 @@ def test_tile_table_entries_keep_the_key_loop_spill_free():
 
 @needs_cuobjdump
 def test_row_wise_kernels_move_rows_in_vectors(compiled_variants):
-    """The norms', GELU's and SwiGLU's kernels, forward and backward, load and store their rows in vectors (no
-    16-bit global access) at the towers' widths in bf16: Qwen2.5-VL's 3,420-wide SwiGLU too, from two GEMMs and
-    from the halves of one stacked GEMM output (8-byte vectors: kernels/tiles.row_vector and aligned_view; its
-    rows moved element by element before)."""
+    """The norms', GELU's and SwiGLU's kernels, forward and backward, and attention's backward delta kernel load
+    and store their rows in vectors (no 16-bit global access) at the towers' widths in bf16: Qwen2.5-VL's
+    3,420-wide SwiGLU too, from two GEMMs and from the halves of one stacked GEMM output (8-byte vectors:
+    kernels/tiles.row_vector and aligned_view), and the delta kernel's 72-element head stride (rows of both moved
+    element by element before)."""
     _, compiled = compiled_variants
     kernels = (
         "_norm_kernel", "_norm_backward_kernel", "_bias_gelu_kernel", "_bias_gelu_backward_kernel",
-        "_bias_swiglu_kernel", "_bias_swiglu_backward_kernel",
+        "_bias_swiglu_kernel", "_bias_swiglu_backward_kernel", "_attn_bwd_delta_kernel",
     )  # fmt: skip
     checked = [line for line in compiled if line["kernel"] in kernels and " bf16 " in line["name"]]
     assert {line["name"] for line in checked} >= {"bias_swiglu bf16 F=3420", "bias_swiglu bf16 F=3420 stacked"}
