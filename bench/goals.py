@@ -8,6 +8,8 @@ reports, it does not gate). ``--issue 30`` or ``--issue 31`` keeps one issue's g
 Issue 30 (``bench_attention``, ``bench_attention_backward``, ``bench_window``; H200 bf16; the best peer of a case is
 its fastest non-qvl row):
 
+* head dims 72 and 80 in the split tiling (1.11x the useful dot work at D 72, none extra at D 80) agree with float64
+  on the device, forward and backward (``head_dim.json``: bench/head_dim_check.py, the run's first step);
 * D 72 (Qwen3-VL 8B) with rope (``qvl+rope``, the towers' call): >= 1.15x the best peer at S 4,096 and 16,384, on
   the 8 mixed images and on the 16-frame video; >= 1.0x on one 1,024-token image; >= 420 TFLOP/s at S 16,384;
 * rope at no cost: ``qvl+rope`` within 5 % of ``qvl``'s time in every D 72 case;
@@ -90,6 +92,13 @@ class Run:
                 continue
             if isinstance(data, dict) and "bench" in data and "records" in data:
                 self.reports[data["bench"]] = data
+        # bench/head_dim_check.py's results (device_check.sh's first step), None where the run has none.
+        self.head_dim = None
+        if (folder / "head_dim.json").is_file():
+            try:
+                self.head_dim = json.loads((folder / "head_dim.json").read_text())
+            except ValueError:
+                pass
 
     def rows(self, bench: str) -> dict[tuple[str, str], dict]:
         """``{(case, impl): record}`` of one benchmark (empty where the run has no such report)."""
@@ -213,6 +222,21 @@ def _cases(rows: dict[tuple[str, str], dict], prefix: str) -> list[str]:
     return [case for case in dict.fromkeys(c for c, _ in rows) if case.startswith(prefix)]
 
 
+def head_dim_goals(run: Run) -> Iterator[Verdict]:
+    rows = [] if run.head_dim is None else run.head_dim["rows"]
+    for head_dim in dict.fromkeys(row["head_dim"] for row in rows):
+        split = [row for row in rows if row["head_dim"] == head_dim and row["layout"] == "split"]
+        goal = f"head dim {head_dim}, split tiling: forward and backward agree with float64 on the device"
+        if not split:
+            yield Verdict(goal, "-", None)
+            continue
+        errors = [err for row in split for err in row["errors"].values()]
+        worst = "raised" if any("error" in row for row in split) else f"max rel err {max(map(float, errors)):.1e}"
+        yield Verdict(goal, worst, all(row["agrees"] for row in split))
+    if not rows:
+        yield Verdict("head-dim tiling on the device (head_dim.json)", "-", None)
+
+
 def attention_goals(run: Run) -> Iterator[Verdict]:
     rows = run.rows("attention")
 
@@ -268,7 +292,7 @@ def attention_goals(run: Run) -> Iterator[Verdict]:
         yield Verdict("forward + backward (bench_attention_backward)", "-", None)
 
 
-GOALS = {30: (attention_goals,), 31: (host_goals, tower_goals, bandwidth_goals)}
+GOALS = {30: (head_dim_goals, attention_goals), 31: (host_goals, tower_goals, bandwidth_goals)}
 
 
 def _tokens(case: str) -> int:

@@ -44,7 +44,8 @@ def test_the_committed_h200_run_against_issue_30(capsys):
     assert found["window 1344x1344 (144 segs): >= 1.5x varlen_attn"].measured == "0.421x"
     assert found["attention D 72 with rope, 8B S=16384: >= 420 TFLOP/s"].status == "not measured"
     assert found["attention D 64 (2B cases): >= 1.0x best peer"].status == "not measured"
-    assert capsys.readouterr().out.splitlines()[-1] == "0 met, 10 missed, 4 not measured"
+    assert found["head-dim tiling on the device (head_dim.json)"].status == "not measured"  # no check then
+    assert capsys.readouterr().out.splitlines()[-1] == "0 met, 10 missed, 5 not measured"
 
 
 def record(case, impl, ms, rate=1.0, note=""):
@@ -144,6 +145,23 @@ def test_attention_goals_on_a_synthetic_run(tmp_path: Path):
     assert status["forward + backward, 8B S=4096 (qvl+rope): >= 1.2x best peer"] == "met"  # 3.0 / 2.4
     assert status["forward + backward, 2B S=4096 (qvl): >= 1.2x best peer"] == "met"  # 2.0 / 1.6
     assert not any("S=1024" in goal and goal.startswith("forward") for goal in status)  # S >= 4,096 only
+
+
+def test_head_dim_goals_read_the_layout_check(tmp_path: Path):
+    """bench/head_dim_check.py's JSON (as it writes it, NaN as a string): a head dim whose split rows all agree meets
+    the goal, one whose split check raised misses it."""
+    rows = [
+        {"head_dim": 72, "layout": "split", "errors": {"forward short": 3e-3}, "agrees": True},
+        {"head_dim": 72, "layout": "padded", "errors": {"forward short": 3e-3}, "agrees": True},
+        {"head_dim": 80, "layout": "split", "errors": {"raised": "nan"}, "agrees": False, "error": "RuntimeError: x"},
+        {"head_dim": 80, "layout": "padded", "errors": {"forward short": 2e-3}, "agrees": True},
+    ]
+    (tmp_path / "head_dim.json").write_text(json.dumps({"rows": rows, "layout": "padded"}))
+    found = {v.goal: v for v in goals.verdicts(goals.Run(tmp_path), [30])}
+    d72 = found["head dim 72, split tiling: forward and backward agree with float64 on the device"]
+    d80 = found["head dim 80, split tiling: forward and backward agree with float64 on the device"]
+    assert (d72.measured, d72.status) == ("max rel err 3.0e-03", "met")
+    assert (d80.measured, d80.status) == ("raised", "missed")
 
 
 def test_not_a_folder_exits_2(tmp_path):
