@@ -13,7 +13,10 @@ Cases at Qwen3-VL-8B widths for T patches:
 * ``bias_gelu`` tanh at T x 4304 (the blocks' MLP), erf at T/4 x 4608 (the mergers' fc1) and quick at T x 4304
   (Qwen2-VL's MLP), qvl out of place and in place (``bias_gelu_``, the epilogue qvl runs after a bias-less fc1),
   against ``F.gelu(x + b)`` (``x * sigmoid(1.702 x)`` for quick);
-* ``bias_swiglu`` T x 4304 (Qwen2.5-VL's gated MLP), against ``F.silu(g + gb) * (u + ub)``;
+* ``bias_swiglu`` T x 4304 (the gated MLP's epilogue at the tower's MLP width) and, as vLLM's Qwen2.5-VL
+  ``gate_up_proj`` hands it over, ``bias_swiglu stacked`` T x 3420 (Qwen2.5-VL's width; gate and up the column
+  halves of one (T, 6840) output, the biases the halves of one (6840,) vector, the up halves 8 bytes off a
+  16-byte boundary), against ``F.silu(g + gb) * (u + ub)``;
 * the whole ``merger`` and ``deepstack merger``: qvl's ``patch_merger`` against transformers'
   ``Qwen3VLVisionPatchMerger`` (8B shape, random weights).
 
@@ -45,6 +48,7 @@ from .workloads import MODELS, randomize
 HIDDEN = MODELS["8B"].hidden
 MERGED = 4 * HIDDEN  # 2x2 spatial merge
 INTERMEDIATE = 4304
+QWEN25_INTERMEDIATE = 3420  # Qwen2.5-VL's vision MLP
 OUT_HIDDEN = 4096
 TINY_HIDDEN, TINY_OUT = 128, 64  # CPU mergers: their matmuls would dominate a CPU smoke run at 8B
 EPS = 1e-6
@@ -55,15 +59,17 @@ class Case:
     op: str  # "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "bias_swiglu" or "merger"
     rows: int
     cols: int
-    variant: str = ""  # bias_gelu: "tanh", "none" or "quick"; merger: "main" or "deepstack"
+    variant: str = (
+        ""  # bias_gelu: "tanh", "none" or "quick"; bias_swiglu: "" or "stacked"; merger: "main" or "deepstack"
+    )
     out: int = 0  # merger output width
 
     @property
     def name(self) -> str:
         if self.op == "merger":
             return f"{'' if self.variant == 'main' else 'deepstack '}merger T={self.rows} C={self.cols}"
-        gelu = {"tanh": " tanh", "none": " erf", "quick": " quick"}.get(self.variant, "")
-        return f"{self.op}{gelu} {self.rows}x{self.cols}"
+        variant = {"tanh": " tanh", "none": " erf", "quick": " quick", "stacked": " stacked"}.get(self.variant, "")
+        return f"{self.op}{variant} {self.rows}x{self.cols}"
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ def cases_at(tokens: int, merger_hidden: int = HIDDEN, merger_out: int = OUT_HID
         Case("bias_gelu", tokens // 4, MERGED, "none"),
         Case("bias_gelu", tokens, INTERMEDIATE, "quick"),
         Case("bias_swiglu", tokens, INTERMEDIATE),
+        Case("bias_swiglu", tokens, QWEN25_INTERMEDIATE, "stacked"),
         Case("merger", tokens, merger_hidden, "main", merger_out),
         Case("merger", tokens, merger_hidden, "deepstack", merger_out),
     ]
@@ -124,11 +131,17 @@ def make_inputs(case: Case, device: Device, dtype: torch.dtype, count: int = 1) 
     weight = 1 + 0.1 * randn(case.cols) if "norm" in case.op else None
     bias = 0.1 * randn(case.cols) if case.op not in ("merger", "rms_norm", "add_rms_norm") else None
     up_bias = 0.1 * randn(case.cols) if case.op == "bias_swiglu" else None
+    stacked = case.variant == "stacked"
+    if stacked:
+        bias, up_bias = (0.1 * randn(2 * case.cols)).chunk(2)
     merger = make_merger(case, device, dtype) if case.op == "merger" else None
     sets = []
     for _ in range(count):
-        x = randn(case.rows, case.cols)
-        delta = randn(case.rows, case.cols) if _two_inputs(case) else None
+        if stacked:
+            x, delta = randn(case.rows, 2 * case.cols).chunk(2, dim=1)
+        else:
+            x = randn(case.rows, case.cols)
+            delta = randn(case.rows, case.cols) if _two_inputs(case) else None
         sets.append(Inputs(case, x, delta, weight, bias, up_bias, merger))
     return sets
 
