@@ -3,6 +3,10 @@ partial-sum reduction.
 
 Strides the host found to be multiples of 16 bytes are re-derived in the kernel with
 :func:`aligned_stride`, so that the compiler can prove every row of a tile starts on a 16-byte boundary.
+Row-wise kernels whose widths and strides are multiples of a narrower vector (Qwen2.5-VL's 3,420-wide MLP: 8
+bytes) get that width as a meta-parameter (:func:`row_vector`, re-derived with :func:`vector_multiple`), and
+inputs that start off a 16-byte boundary (a stacked GEMM output's second half) are passed as aligned views plus a
+constant shift (:func:`aligned_view`), so that their rows still move in vectors rather than element by element.
 
 The row-wise elementwise epilogues (bias + GELU in :mod:`qvl.kernels.gelu`, biases + SwiGLU in
 :mod:`qvl.kernels.swiglu`) share their tiling (:func:`row_tiles`, :func:`epilogue_backward_config`) and
