@@ -4,7 +4,7 @@
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
 # Every step runs under its own timeout, so that one hang cannot spend the lease.
 #
-# default (at most about 9 minutes; the focused modes below leave a lease room for a rerun):
+# default (at most about 9.5 minutes: a 15-minute lease holds one call and its start; the focused modes are shorter):
 #   1. device, driver, versions, commit                                                   device.txt
 #   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split and the padded tiling of D 72,
 #      and D 80 with --attention/--full, against float64; the rope forward timed in both); every later step runs
@@ -21,9 +21,9 @@
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   6. the plots of the whole run (bench.plot)                                               *.png
 #   7. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
-# --attention (under ~7 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
+# --attention (about 8 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
 #   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
-# --tower (about 8 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
+# --tower (about 8.5 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
 #   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
 #   SDPA eager), the bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports,
 #   writes nothing; tune_rows.log, tune_rows.json), rotary, the position table.
@@ -85,9 +85,10 @@ phase device
 # device first, and run everything after in the layout that agreed (padded, the layout an H200 ran right before,
 # when the check finds split wrong or gives no verdict). --attention and --full check D 80 (Qwen2.5-VL) as well.
 phase "head-dim layout check"
+# The verdict comes once the split rows are done (about half the time); the padded rows after it are for comparison.
 head_dims=(72)
-layout_timeout=75
-case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=120 ;; esac
+layout_timeout=100
+case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=160 ;; esac
 timeout -k 10 "$layout_timeout" python3 -m bench.head_dim_check --head-dims "${head_dims[@]}" \
   --json "$out/head_dim.json" 2>&1 | tee "$out/head_dim.log" | tail -8
 layout="$(sed -n 's/^head-dim layout: //p' "$out/head_dim.log" | tail -1)"

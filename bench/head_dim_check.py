@@ -6,10 +6,12 @@ a key block (bench/results/diag-20261204/). So a device run checks it before any
 dim, in the split and the padded layout, the forward without rope on segments that end inside key blocks, one
 shorter than a key block alone (the H200's NaN case) and block multiples, and forward + backward with rope (as the
 towers train) on the ragged segments, each against the float64 reference (the harness's bound on the relative
-error, :data:`bench.harness.TOLERANCE`); on a GPU it then times the forward with rope, the towers' call, at S 4,096
-and on a mixed batch in both layouts. Last it prints ``head-dim layout: split`` where every split check agreed,
-else ``head-dim layout: padded``: bench/device_check.sh exports that as ``QVL_ATTENTION_HEAD_DIM`` for its later
-steps (tile sweep, tests, benchmarks), so a wrong split tiling costs the run its speed, not its numbers.
+error, :data:`bench.harness.TOLERANCE`); on a GPU it also times the forward with rope, the towers' call, at S 4,096
+and on a mixed batch. The split layout goes first: once its rows are done it prints ``head-dim layout: split`` where
+every split check agreed, else ``head-dim layout: padded``, then checks and times the padded layout for comparison
+(a run cut short there keeps the verdict; ``--json`` is rewritten after every row). bench/device_check.sh exports
+the verdict as ``QVL_ATTENTION_HEAD_DIM`` for its later steps (tile sweep, tests, benchmarks), so a wrong split
+tiling costs the run its speed, not its numbers.
 
     python -m bench.head_dim_check [--head-dims 72 80] [--dtype bf16] [--quick] [--json FILE]
 
@@ -128,31 +130,50 @@ def choose(results: dict, dtype: torch.dtype) -> str:
     return "split" if all(agreed(errors, dtype) for errors in splits) else "padded"
 
 
-def run(head_dims: Sequence[int], dtype: torch.dtype, device: torch.device, quick: bool) -> dict:
-    """Check (and on a GPU without ``quick``, time) every head dim in both layouts; the layout in use before is
-    restored. Returns ``{"rows": [...], "layout": the choice}``."""
+def run(
+    head_dims: Sequence[int], dtype: torch.dtype, device: torch.device, quick: bool, json_path: Path | None = None
+) -> dict:
+    """Check (and on a GPU without ``quick``, time) every head dim in the split layout, print the choice
+    (``head-dim layout: ...``, which depends on the split rows only), then check and time the padded layout for
+    comparison: a run cut short there keeps its verdict. The results so far go to ``json_path`` after every row.
+    The layout in use before is restored. Returns ``{"rows": [...], "layout": the choice}``."""
     before = attention.head_dim_layout()
-    rows = []
+    results = {"rows": [], "layout": None}
     try:
-        for head_dim, layout in itertools.product(head_dims, attention.HEAD_DIM_LAYOUTS):
+        for layout in ("split", "padded"):
             attention.set_head_dim_layout(layout)
-            tiles = attention.head_dim_tiles(head_dim)
-            row = {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
-            try:
-                row["errors"] = checks(head_dim, dtype, device, quick)
-            except Exception as exc:  # noqa: BLE001 - e.g. an illegal address: the layout fails, the report goes on
-                row["errors"] = {"raised": math.nan}
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-            row["agrees"] = agreed(row["errors"], dtype)
-            if device.type == "cuda" and not quick and row["agrees"]:
-                row["timings"] = timings(head_dim, dtype, device)
-            rows.append(row)
-            print(describe(row), flush=True)
+            for head_dim in head_dims:
+                results["rows"].append(checked_row(head_dim, layout, dtype, device, quick))
+                print(describe(results["rows"][-1]), flush=True)
+                write_json(results, json_path)
+            if results["layout"] is None:
+                results["layout"] = choose(results, dtype)
+                print(f"head-dim layout: {results['layout']}", flush=True)
+                write_json(results, json_path)
     finally:
         attention.set_head_dim_layout(before)
-    results = {"rows": rows}
-    results["layout"] = choose(results, dtype)
     return results
+
+
+def checked_row(head_dim: int, layout: str, dtype: torch.dtype, device: torch.device, quick: bool) -> dict:
+    """One head dim in the layout in use (``layout`` names it): its checks' errors, whether they agree, and on a GPU
+    without ``quick`` its timings where they do."""
+    tiles = attention.head_dim_tiles(head_dim)
+    row = {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
+    try:
+        row["errors"] = checks(head_dim, dtype, device, quick)
+    except Exception as exc:  # noqa: BLE001 - e.g. an illegal address: the layout fails, the report goes on
+        row["errors"] = {"raised": math.nan}
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    row["agrees"] = agreed(row["errors"], dtype)
+    if device.type == "cuda" and not quick and row["agrees"]:
+        row["timings"] = timings(head_dim, dtype, device)
+    return row
+
+
+def write_json(results: dict, path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(strict_json(results), indent=2) + "\n")
 
 
 def describe(row: dict) -> str:
@@ -176,11 +197,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if backend_for(device) not in ("triton", "interpreter"):
         parser.error("no Triton kernel runs here: on a CPU set TRITON_INTERPRET=1 (and pass --quick --dtype fp16)")
     dtype = DTYPES[args.dtype]
-    results = run(args.head_dims, dtype, device, args.quick)
+    results = run(args.head_dims, dtype, device, args.quick, args.json)
     results.update(dtype=args.dtype, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
-    if args.json is not None:
-        args.json.write_text(json.dumps(strict_json(results), indent=2) + "\n")
-    print(f"head-dim layout: {results['layout']}", flush=True)
+    write_json(results, args.json)
     return results
 
 

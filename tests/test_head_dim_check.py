@@ -23,7 +23,8 @@ def test_both_layouts_agree_in_the_interpreter(tmp_path, capsys, use_head_dim_la
     path = tmp_path / "head_dim.json"
     results = head_dim_check.main(["--quick", "--dtype", "fp16", "--head-dims", "72", "--json", str(path)])
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == "head-dim layout: split"
+    # The verdict right after the split rows; the padded row, for comparison, after it.
+    assert [line.split(" (")[0] for line in out[-3:]] == ["D 72 split", "head-dim layout: split", "D 72 padded"]
     assert [(row["layout"], row["tiles"], row["agrees"]) for row in results["rows"]] == [
         ("split", "64+16", True),
         ("padded", "128+0", True),
@@ -37,6 +38,8 @@ def test_both_layouts_agree_in_the_interpreter(tmp_path, capsys, use_head_dim_la
 
 
 def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsys):
+    """The verdict is printed before the padded rows, so a device run cut short while timing them keeps it."""
+
     def checks(head_dim, dtype, device, quick):
         layout = attention.head_dim_layout()
         if head_dim == 80 and layout == "split":
@@ -45,10 +48,14 @@ def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsy
 
     monkeypatch.setattr(head_dim_check, "checks", checks)
     results = head_dim_check.run([72, 80], torch.float16, torch.device("cpu"), quick=True)
-    assert [row["agrees"] for row in results["rows"]] == [False, True, False, True]
-    assert results["rows"][2]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert [(row["head_dim"], row["layout"], row["agrees"]) for row in results["rows"]] == [
+        (72, "split", False), (80, "split", False), (72, "padded", True), (80, "padded", True),
+    ]  # fmt: skip
+    assert results["rows"][1]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert results["layout"] == "padded"
-    assert "D 80 split (64+16): WRONG (RuntimeError: CUDA error" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "D 80 split (64+16): WRONG (RuntimeError: CUDA error" in out
+    assert out.index("head-dim layout: padded") < out.index("D 72 padded")
     only_72 = {"rows": [{**row, "errors": {"x": 1e-3}} if row["layout"] == "split" else row for row in results["rows"]]}
     assert head_dim_check.choose(only_72, torch.float16) == "split"
 
@@ -64,3 +71,21 @@ def test_refuses_to_check_the_torch_path():
         env={**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""},
     )
     assert result.returncode == 2 and "no Triton kernel runs here" in result.stderr, result.stderr
+
+
+def test_a_run_cut_short_while_timing_padded_keeps_its_verdict(monkeypatch, tmp_path):
+    """The JSON is rewritten after every row and the verdict: a timeout during the padded rows leaves both."""
+
+    def checked_row(head_dim, layout, dtype, device, quick):
+        if layout == "padded":
+            raise KeyboardInterrupt  # what the device check's timeout would end it with
+        return {"head_dim": head_dim, "layout": layout, "tiles": "64+16", "errors": {"x": 1e-3}, "agrees": True}
+
+    monkeypatch.setattr(head_dim_check, "checked_row", checked_row)
+    path = tmp_path / "head_dim.json"
+    try:
+        head_dim_check.run([72], torch.float16, torch.device("cpu"), quick=True, json_path=path)
+    except KeyboardInterrupt:
+        pass
+    saved = json.loads(path.read_text())
+    assert saved["layout"] == "split" and [row["layout"] for row in saved["rows"]] == ["split"]
