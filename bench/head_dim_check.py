@@ -5,13 +5,16 @@ interpreter only; the tiling it replaced was right there too and wrong on an H20
 a key block (bench/results/diag-20261204/). So a device run checks it before anything else uses it: for each head
 dim, in the split and the padded layout, the forward without rope on segments that end inside key blocks, one
 shorter than a key block alone (the H200's NaN case) and block multiples, and forward + backward with rope (as the
-towers train) on the ragged segments, each against the float64 reference (the harness's bound on the relative
-error, :data:`bench.harness.TOLERANCE`); on a GPU it also times the forward with rope, the towers' call, at S 4,096
-and on a mixed batch. The split layout goes first: once its rows are done it prints ``head-dim layout: split`` where
-every split check agreed, else ``head-dim layout: padded``, then checks and times the padded layout for comparison
-(a run cut short there keeps the verdict; ``--json`` is rewritten after every row). bench/device_check.sh exports
-the verdict as ``QVL_ATTENTION_HEAD_DIM`` for its later steps (tile sweep, tests, benchmarks), so a wrong split
-tiling costs the run its speed, not its numbers.
+towers train) on the ragged segments, each against the float64 reference. A check agrees where its relative error
+is within the harness's bound (:data:`bench.harness.TOLERANCE`) or at most :data:`TORCH_ERROR_FACTOR` times torch's
+own in the same dtype (SDPA per segment, the gradients through autograd), so bf16 rounding alone never fails one.
+On a GPU it also times the forward with rope, the towers' call, at S 4,096 and on a mixed batch.
+
+The split layout goes first: once its rows are done it prints ``head-dim layout: split`` where every split check
+agreed, else ``head-dim layout: padded``, then checks and times the padded layout for comparison (a run cut short
+there keeps the verdict; ``--json`` is rewritten after every row). bench/device_check.sh exports the verdict as
+``QVL_ATTENTION_HEAD_DIM`` for its later steps (tile sweep, tests, benchmarks), so a wrong split tiling costs the
+run its speed, not its numbers.
 
     python -m bench.head_dim_check [--head-dims 72 80] [--dtype bf16] [--quick] [--json FILE]
 
@@ -29,8 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from qvl.kernels import attention
+from qvl.kernels import attention, rotary_2d_reference
 from qvl.kernels.common import backend_for
 
 from .harness import DTYPES, TOLERANCE, attention_flops, max_rel_err, strict_json
@@ -73,34 +77,54 @@ def relative_error(outputs: Sequence[torch.Tensor], truths: Sequence[torch.Tenso
     return math.nan if any(map(math.isnan, errors)) else max(errors)
 
 
-def forward_error(lengths, hint, num_heads, head_dim, dtype, device) -> float:
+def sdpa_in_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """torch's attention in q's dtype, segment by segment (``scaled_dot_product_attention``: its fused kernels on a
+    GPU, as a user would call them): what the dtype itself costs, the scale a kernel's error is judged on."""
+    bounds = cu_seqlens.tolist()
+    outs = [
+        F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+        for start, end in zip(bounds[:-1], bounds[1:])
+        if end > start
+    ]
+    return torch.cat(outs)
+
+
+def forward_error(lengths, hint, num_heads, head_dim, dtype, device) -> tuple[float, float]:
+    """The forward's relative error against float64, and torch's in the same dtype."""
     q, k, v, cu_seqlens, _, _ = batch(lengths, num_heads, head_dim, dtype, device)
     out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, hint)
     truth = attention.vision_attn_reference(q.double(), k.double(), v.double(), cu_seqlens)
-    return relative_error([out], [truth])
+    return relative_error([out], [truth]), relative_error([sdpa_in_dtype(q, k, v, cu_seqlens)], [truth])
 
 
-def rope_training_error(lengths, hint, num_heads, head_dim, dtype, device) -> float:
-    """Forward with rope and the gradients of q, k, v, against float64."""
+def rope_training_error(lengths, hint, num_heads, head_dim, dtype, device) -> tuple[float, float]:
+    """Forward with rope and the gradients of q, k, v: the relative error against float64, and torch's in the same
+    dtype (the rotary reference, then :func:`sdpa_in_dtype`, differentiated by autograd)."""
     q, k, v, cu_seqlens, positions, grad_out = batch(lengths, num_heads, head_dim, dtype, device)
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out = torch.ops.qvl.vision_attn(*leaves, cu_seqlens, hint, positions=positions)
-    grads = torch.autograd.grad(out, leaves, grad_out)
     wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
     truth = attention.vision_attn_reference(*wide, cu_seqlens, positions=positions)
-    truth_grads = torch.autograd.grad(truth, wide, grad_out.double())
-    return relative_error([out.detach(), *grads], [truth.detach(), *truth_grads])
+    truths = [truth.detach(), *torch.autograd.grad(truth, wide, grad_out.double())]
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = torch.ops.qvl.vision_attn(*leaves, cu_seqlens, hint, positions=positions)
+    error = relative_error([out.detach(), *torch.autograd.grad(out, leaves, grad_out)], truths)
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    q_rotated, k_rotated = rotary_2d_reference(leaves[0], leaves[1], positions)
+    base = sdpa_in_dtype(q_rotated, k_rotated, leaves[2], cu_seqlens)
+    torch_error = relative_error([base.detach(), *torch.autograd.grad(base, leaves, grad_out)], truths)
+    return error, torch_error
 
 
-def checks(head_dim: int, dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
-    """Every check's relative error, by name, in the layout in use."""
+def checks(head_dim: int, dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, tuple[float, float]]:
+    """Every check's ``(relative error, torch's in the same dtype)``, by name, in the layout in use."""
     lengths = QUICK_LENGTHS if quick else LENGTHS
     num_heads = QUICK_HEADS if quick else NUM_HEADS
-    errors = {}
+    found = {}
     for name, (layout, hint) in lengths.items():
-        errors[f"forward {name}"] = forward_error(layout, hint, num_heads, head_dim, dtype, device)
-    errors["rope fwd+bwd ragged"] = rope_training_error(*lengths["ragged"], num_heads, head_dim, dtype, device)
-    return errors
+        found[f"forward {name}"] = forward_error(layout, hint, num_heads, head_dim, dtype, device)
+    found["rope fwd+bwd ragged"] = rope_training_error(*lengths["ragged"], num_heads, head_dim, dtype, device)
+    return found
 
 
 def timings(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
@@ -120,14 +144,23 @@ def timings(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str
     return found
 
 
-def agreed(errors: dict[str, float], dtype: torch.dtype) -> bool:
-    return all(err <= TOLERANCE[dtype] for err in errors.values())  # NaN compares False
+# A check agrees where its error is at most this many times torch's own in the same dtype, or within the harness's
+# bound: a kernel as accurate as torch lands near 1x; the tilings that failed on the H200 were hundreds of times off.
+TORCH_ERROR_FACTOR = 4.0
+
+
+def agreed(row: dict, dtype: torch.dtype) -> bool:
+    """Whether every check of ``row`` agrees (see :data:`TORCH_ERROR_FACTOR`); NaN never does."""
+    return all(
+        err <= max(TOLERANCE[dtype], TORCH_ERROR_FACTOR * row["torch_errors"].get(name, 0.0))
+        for name, err in row["errors"].items()
+    )
 
 
 def choose(results: dict, dtype: torch.dtype) -> str:
     """``"split"`` where every split check of every head dim agreed, else ``"padded"``."""
-    splits = [row["errors"] for row in results["rows"] if row["layout"] == "split"]
-    return "split" if all(agreed(errors, dtype) for errors in splits) else "padded"
+    splits = [row for row in results["rows"] if row["layout"] == "split"]
+    return "split" if all(agreed(row, dtype) for row in splits) else "padded"
 
 
 def run(
@@ -161,11 +194,13 @@ def checked_row(head_dim: int, layout: str, dtype: torch.dtype, device: torch.de
     tiles = attention.head_dim_tiles(head_dim)
     row = {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
     try:
-        row["errors"] = checks(head_dim, dtype, device, quick)
+        found = checks(head_dim, dtype, device, quick)
+        row["errors"] = {name: err for name, (err, _) in found.items()}
+        row["torch_errors"] = {name: base for name, (_, base) in found.items()}
     except Exception as exc:  # noqa: BLE001 - e.g. an illegal address: the layout fails, the report goes on
-        row["errors"] = {"raised": math.nan}
+        row["errors"], row["torch_errors"] = {"raised": math.nan}, {}
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-    row["agrees"] = agreed(row["errors"], dtype)
+    row["agrees"] = agreed(row, dtype)
     if device.type == "cuda" and not quick and row["agrees"]:
         row["timings"] = timings(head_dim, dtype, device)
     return row
@@ -177,7 +212,11 @@ def write_json(results: dict, path: Path | None) -> None:
 
 
 def describe(row: dict) -> str:
-    errors = ", ".join(f"{name} {err:.1e}" for name, err in row["errors"].items())
+    torch_errors = row.get("torch_errors", {})
+    errors = ", ".join(
+        f"{name} {err:.1e}" + (f" (torch {torch_errors[name]:.1e})" if name in torch_errors else "")
+        for name, err in row["errors"].items()
+    )
     timed = "".join(
         f"; rope forward {name}: {t['ms']:.4f} ms, {t['tflops']} TFLOP/s" for name, t in row.get("timings", {}).items()
     )

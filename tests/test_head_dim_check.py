@@ -32,6 +32,7 @@ def test_both_layouts_agree_in_the_interpreter(tmp_path, capsys, use_head_dim_la
     assert set(results["rows"][0]["errors"]) == {f"forward {name}" for name in head_dim_check.LENGTHS} | {
         "rope fwd+bwd ragged"
     }
+    assert set(results["rows"][0]["torch_errors"]) == set(results["rows"][0]["errors"])
     assert "timings" not in results["rows"][0]  # nothing timed on CPU
     assert json.loads(path.read_text())["layout"] == "split"
     assert attention.head_dim_layout() == "split"
@@ -44,7 +45,7 @@ def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsy
         layout = attention.head_dim_layout()
         if head_dim == 80 and layout == "split":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return {"forward short": math.nan if layout == "split" else 1e-3}
+        return {"forward short": (math.nan if layout == "split" else 1e-3, 1e-3)}
 
     monkeypatch.setattr(head_dim_check, "checks", checks)
     results = head_dim_check.run([72, 80], torch.float16, torch.device("cpu"), quick=True)
@@ -58,6 +59,20 @@ def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsy
     assert out.index("head-dim layout: padded") < out.index("D 72 padded")
     only_72 = {"rows": [{**row, "errors": {"x": 1e-3}} if row["layout"] == "split" else row for row in results["rows"]]}
     assert head_dim_check.choose(only_72, torch.float16) == "split"
+
+
+def test_a_check_is_judged_against_torchs_own_error_in_the_dtype():
+    """bf16 rounding alone never fails a check (an error a few times torch's own passes, even over the harness's
+    bound), a wrong tiling's order-one error or a NaN always does."""
+    tolerance = head_dim_check.TOLERANCE[torch.bfloat16]
+
+    def row(err, torch_err):
+        return {"errors": {"dq": err}, "torch_errors": {"dq": torch_err}}
+
+    assert head_dim_check.agreed(row(3 * tolerance, tolerance), torch.bfloat16)
+    assert head_dim_check.agreed(row(tolerance, 1e-5), torch.bfloat16)
+    assert not head_dim_check.agreed(row(1.07, 4e-3), torch.bfloat16)
+    assert not head_dim_check.agreed(row(math.nan, 4e-3), torch.bfloat16)
 
 
 def test_refuses_to_check_the_torch_path():
@@ -79,7 +94,8 @@ def test_a_run_cut_short_while_timing_padded_keeps_its_verdict(monkeypatch, tmp_
     def checked_row(head_dim, layout, dtype, device, quick):
         if layout == "padded":
             raise KeyboardInterrupt  # what the device check's timeout would end it with
-        return {"head_dim": head_dim, "layout": layout, "tiles": "64+16", "errors": {"x": 1e-3}, "agrees": True}
+        errors = {"errors": {"x": 1e-3}, "torch_errors": {"x": 1e-3}}
+        return {"head_dim": head_dim, "layout": layout, "tiles": "64+16", **errors, "agrees": True}
 
     monkeypatch.setattr(head_dim_check, "checked_row", checked_row)
     path = tmp_path / "head_dim.json"
