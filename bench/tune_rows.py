@@ -1,6 +1,7 @@
 """Launch-configuration sweep of the tower's bandwidth kernels on a GPU (issue 31): ``python -m bench.tune_rows``.
 
-The norms, the row-wise epilogues and the rotary launch with configurations chosen by a rule of thumb
+The norms, the row-wise epilogues (bias + GELU; Qwen2.5-VL's biases + SwiGLU) and the rotary launch with
+configurations chosen by a rule of thumb
 (:func:`qvl.kernels.layer_norm.launch_config`, :func:`qvl.kernels.tiles.row_tiles`,
 :func:`qvl.kernels.rotary.launch_config`), and the 2026-12-04 H200 run measured LayerNorm at 0.29-0.64x eager.
 This sweep says what they should pick: for each case, at the tower's sizes and in priority order (the slowest
@@ -32,6 +33,7 @@ from qvl.kernels.common import KernelLaunch, cdiv, device_target, next_power_of_
 from qvl.kernels.gelu import bias_gelu_launches
 from qvl.kernels.layer_norm import layer_norm_launches
 from qvl.kernels.rotary import rotary_launches
+from qvl.kernels.swiglu import bias_swiglu_launches
 
 from .harness import DTYPES, agrees, copy_call, max_rel_err, tensor_bytes
 
@@ -106,6 +108,25 @@ def gelu_case(rows: int, cols: int, approximate: str) -> Callable[[torch.device,
     return make
 
 
+def swiglu_case(rows: int, cols: int) -> Callable[[torch.device, torch.dtype, float], Setup]:
+    """biases + SwiGLU of ``rows x cols`` as vLLM's Qwen2.5-VL hands it over: gate and up the column halves of one
+    ``(rows, 2 cols)`` GEMM output, the biases the halves of one vector; reads both halves and biases, writes y."""
+
+    def make(device: torch.device, dtype: torch.dtype, scale: float) -> Setup:
+        n = max(1, int(rows * scale))
+        gate, up = _randn(n, 2 * cols, device, dtype, 0).chunk(2, dim=1)
+        gate_bias, up_bias = _randn(1, 2 * cols, device, dtype, 1)[0].chunk(2)
+        y = torch.empty(n, cols, dtype=dtype, device=device)
+        (launch,) = bias_swiglu_launches(gate, up, gate_bias, up_bias, y, device_target(device))
+
+        def grid(config: dict) -> tuple[int, int]:
+            return cdiv(n, config["BLOCK_M"]), cdiv(cols, config["BLOCK_N"])
+
+        return Setup(launch, (y,), tensor_bytes(gate, up, y, gate_bias, up_bias), grid)
+
+    return make
+
+
 def rotary_case(tokens: int, heads: int, head_dim: int) -> Callable[[torch.device, torch.dtype, float], Setup]:
     """rotary_2d of q and k views of a packed qkv (the tower's layout) into new tensors."""
 
@@ -146,7 +167,7 @@ def rotary_candidates() -> tuple[dict, ...]:
     return tuple(dict(BLOCK_T=t, num_warps=w) for t, w in itertools.product((8, 16, 32, 64), (2, 4, 8)))
 
 
-# Priority: the kernels furthest below eager on 2026-12-04 first, at Qwen3-VL 8B's sizes.
+# Priority: the kernels furthest below eager on 2026-12-04 first, at Qwen3-VL 8B's sizes; Qwen2.5-VL's SwiGLU last.
 CASES = (
     Case("layer_norm 4096x4608", norm_case(4096, 4608, False), norm_candidates(4608)),
     Case("add_layer_norm 16384x1152", norm_case(16384, 1152, True), norm_candidates(1152)),
@@ -154,6 +175,7 @@ CASES = (
     Case("bias_gelu erf 4096x4608", gelu_case(4096, 4608, "none"), row_tile_candidates()),
     Case("rotary_2d 16384 tokens x 16 heads x 72", rotary_case(16384, 16, 72), rotary_candidates()),
     Case("bias_gelu tanh 16384x4304", gelu_case(16384, 4304, "tanh"), row_tile_candidates()),
+    Case("bias_swiglu stacked 16384x3420", swiglu_case(16384, 3420), row_tile_candidates()),
 )
 
 
