@@ -3,7 +3,8 @@ agreement checks, and the report (a table printed last, a JSON file kept under `
 
 A benchmark module builds its cases and the implementations to compare, checks each against qvl,
 times them with :func:`measure`, and hands the numbers to a :class:`Report`. CUDA timings come from
-``triton.testing.do_bench`` (device events, median). On CPU a wall-clock median stands in so that CI
+``triton.testing.do_bench`` (device events, median), and beside it the GPU time alone (:func:`device_time`: what a
+kernel costs where the host's launch time hides it from do_bench). On CPU a wall-clock median stands in so that CI
 can exercise the code paths; those numbers say nothing about kernels and are flagged as such.
 """
 
@@ -134,6 +135,7 @@ class Timing:
     ms: float  # median
     ms_lo: float  # 20th percentile
     ms_hi: float  # 80th percentile
+    device_ms: float | None = None  # median GPU time per call with the host's enqueue time taken out (device_time)
 
 
 CPU_REPS = 5  # a CPU number only shows that the path runs: a few reps keep CI fast
@@ -143,9 +145,10 @@ def rotation_count(set_bytes: int, device: Device, max_sets: int = 64) -> int:
     """How many input sets to cycle through so a set has left L2 by the time it comes round again.
 
     do_bench flushes L2 before each timed rep, but pytest-benchmark (``microbench.py``) and any
-    back-to-back loop do not; cycling sets whose sum is twice the L2 keeps every timer honest.
+    back-to-back loop (:func:`device_time`'s bursts) do not; cycling sets whose sum is twice the L2 keeps every
+    timer honest.
     """
-    if not device.is_cuda or set_bytes >= device.l2_bytes:
+    if not device.is_cuda or set_bytes >= 2 * device.l2_bytes:
         return 1
     return min(max_sets, math.ceil(2 * device.l2_bytes / max(set_bytes, 1)))
 
@@ -156,12 +159,65 @@ def cycling(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(cycle)()
 
 
+# device_time's bursts: at most this much GPU time and this many calls each, this many bursts per row.
+BURST_MS = 10.0
+BURST_CALLS = 64
+BURST_REPS = 3
+# The spin kernel's length in cycles for a second, a guess (Hopper's SM clock is 1.6-2 GHz): every burst checks on
+# the device's own clock that the spin outlasted the host's enqueue, and longer spins are tried where it did not.
+SPIN_CYCLES_PER_S = 2.0e9
+SPIN_TRIES = 3
+
+
+def device_time(step: Callable[[], Any], per_call_ms: float) -> float | None:
+    """Milliseconds of GPU time per ``step()`` with the host taken out, or None where that cannot be had.
+
+    ``triton.testing.do_bench`` times each call between two events; where the host takes longer to enqueue a call
+    than the GPU takes to run it (small bandwidth kernels: tens of µs of host time against a few µs of work), the GPU
+    waits for the host between those events, so its figure is host time, not the kernel's. Here a spin kernel
+    (``torch.cuda._sleep``) holds the stream while the host enqueues a burst of calls; once the host is done before
+    the spin ends (checked on the device's clock, against the host's own clock), the burst runs back to back and its
+    events measure the device alone. A call that waits on the device (a sync inside) never finishes enqueueing
+    before the spin ends: after ``SPIN_TRIES`` ever longer spins it gets None. ``per_call_ms`` (do_bench's median,
+    never below the device time) sizes the burst to about ``BURST_MS``.
+    """
+    calls = max(1, min(BURST_CALLS, int(BURST_MS / max(per_call_ms, 1e-4))))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    spin_cycles = int(2 * host_s * SPIN_CYCLES_PER_S) + 1
+    begin, spun, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    samples: list[float] = []
+    tries = 0
+    while len(samples) < BURST_REPS and tries < SPIN_TRIES:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        begin.record()
+        torch.cuda._sleep(spin_cycles)
+        spun.record()
+        for _ in range(calls):
+            step()
+        end.record()
+        host_ms = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize()
+        if host_ms < begin.elapsed_time(spun):
+            samples.append(spun.elapsed_time(end) / calls)
+        else:
+            tries += 1
+            spin_cycles *= 2
+    return statistics.median(samples) if samples else None
+
+
 def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
-    """Time one call, cycling through ``calls``. The first call compiles/caches and is not timed."""
+    """Time one call, cycling through ``calls``. The first call compiles/caches and is not timed. On CUDA the
+    Timing carries :func:`device_time` beside do_bench's quantiles."""
     step = cycling(calls)
     if device.is_cuda:
         lo, med, hi = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return Timing(med, lo, hi)
+        return Timing(med, lo, hi, device_time(step, med))
     step()
     times = []
     for _ in range(CPU_REPS):
@@ -399,6 +455,8 @@ class Record:
     note: str = ""
     speedup: float | None = None  # baseline's time / this time, same case
     baseline: str | None = None
+    device_ms: float | None = None  # GPU time per call, host taken out (harness.device_time); None on CPU
+    device_rate: float | None = None  # work per second of device_ms, in `unit`
 
 
 @dataclass
@@ -439,11 +497,15 @@ class Report:
             max_rel_err=err,
             agrees=err is None or agrees(err, self.dtype),
             note=note,
+            device_ms=timing.device_ms,
+            device_rate=None if timing.device_ms is None else work / (timing.device_ms * 1e-3) / scale,
         )  # fmt: skip
         self.records.append(record)
         self._set_speedups(case)
         # Each row as it is measured: a run cut short (a device lease's limit) still shows the rows it finished.
-        print(f"  {impl}: {timing.ms:.4g} ms ({rate:.4g} {unit}){f'; {note}' if note else ''}", flush=True)
+        shown = record.device_rate
+        on_device = "" if shown is None else f"; device {record.device_ms:.4g} ms, {shown:.4g}"
+        print(f"  {impl}: {timing.ms:.4g} ms ({rate:.4g} {unit}{on_device}){f'; {note}' if note else ''}", flush=True)
         return record
 
     def _set_speedups(self, case: str) -> None:
@@ -463,14 +525,19 @@ class Report:
         units = self._units()
         mixed = len(units) > 1
         show_share = any(r.share is not None for r in self.records)
+        show_device = any(r.device_ms is not None for r in self.records)
         rate_header = "rate" if mixed else units[0]
         header = ["case", "impl", "ms", rate_header] + (["% peak"] if show_share else [])
+        header += ["device ms", f"device {rate_header}"] if show_device else []
         header += ["speedup", "max rel err", "note"]
         rows = []
         for r in self.records:
             row = [r.case, r.impl, f"{r.ms:.4g}", f"{r.rate:.4g} {r.unit}" if mixed else f"{r.rate:.4g}"]
             if show_share:
                 row.append("-" if r.share is None else f"{100 * r.share:.1f}")
+            if show_device:
+                row.append("-" if r.device_ms is None else f"{r.device_ms:.4g}")
+                row.append("-" if r.device_rate is None else f"{r.device_rate:.4g}")
             row.append("-" if r.speedup is None else f"{r.speedup:.2f}x")
             row.append("-" if r.max_rel_err is None else f"{r.max_rel_err:.1e}")
             row.append(("DISAGREES " if not r.agrees else "") + r.note)
@@ -499,6 +566,12 @@ class Report:
         bases = sorted({r.baseline for r in self.records if r.baseline})
         if bases:
             lines.append(f"speedup = time of {' / '.join(bases)} in the same case / time")
+        if any(r.device_ms is not None for r in self.records):
+            lines.append(
+                "ms: do_bench's median per call (the host's time where it outlasts the GPU's); device ms: GPU time "
+                "per call with the host's enqueue taken out (bursts behind a spin kernel; '-': the call waits on the "
+                "device)"
+            )
         lines.append("")
         lines.append(self.table())
         return "\n".join(lines)

@@ -269,6 +269,101 @@ def test_peers_skip_leaves_peers_unbuilt() -> None:
     assert skipped == {"left": "left out (--skip)", "broken": "RuntimeError: no such backend"}
 
 
+class FakeStream:
+    """One CUDA stream and the host's clock, simulated: what harness.device_time sees of a GPU. Seconds on both
+    clocks; a launch costs the host ``host_s`` and the device ``kernel_s``; the spin kernel runs ``cycles /
+    cycles_per_s``; ``syncs`` makes every call wait for the device first (as a ``.item()`` inside a call would)."""
+
+    def __init__(self, host_s: float, kernel_s: float, cycles_per_s: float, syncs: bool = False):
+        self.host = self.device = 0.0
+        self.host_s, self.kernel_s, self.cycles_per_s, self.syncs = host_s, kernel_s, cycles_per_s, syncs
+        self.spins: list[int] = []
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.device)
+
+    def enqueue(self, seconds: float) -> None:
+        self.device = max(self.device, self.host) + seconds
+
+    def sleep(self, cycles: int) -> None:
+        self.spins.append(cycles)
+        self.enqueue(cycles / self.cycles_per_s)
+
+    def step(self) -> None:
+        if self.syncs:
+            self.synchronize()
+        self.host += self.host_s
+        self.enqueue(self.kernel_s)
+
+    def event(self, enable_timing: bool = False):
+        stream = self
+
+        class Event:
+            def record(self) -> None:
+                stream.enqueue(0.0)
+                self.at = stream.device
+
+            def elapsed_time(self, end) -> float:
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.sleep)
+        monkeypatch.setattr(torch.cuda, "Event", self.event)
+        monkeypatch.setattr(harness.time, "perf_counter", lambda: self.host)
+
+
+@pytest.mark.parametrize("cycles_per_s", [1.5e9, 2.0e9, 4.0e9, 6.0e9])
+def test_device_time_takes_the_host_out(monkeypatch: pytest.MonkeyPatch, cycles_per_s: float) -> None:
+    """A 5 µs kernel behind 30 µs of host time per call (do_bench would say 30 µs): the bursts behind the spin give
+    the kernel's 5 µs, whatever the device's clock (a spin shorter than the host's enqueue is retried twice as long)."""
+    stream = FakeStream(host_s=30e-6, kernel_s=5e-6, cycles_per_s=cycles_per_s)
+    stream.install(monkeypatch)
+    assert harness.device_time(stream.step, per_call_ms=0.03) == pytest.approx(0.005)
+    first = int(2 * harness.BURST_CALLS * 30e-6 * harness.SPIN_CYCLES_PER_S) + 1
+    assert stream.spins[0] == first and len(stream.spins) <= harness.BURST_REPS + harness.SPIN_TRIES - 1
+    assert all(later in (first, 2 * first, 4 * first) for later in stream.spins)
+
+
+def test_device_time_of_a_call_that_waits_on_the_device_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = FakeStream(host_s=30e-6, kernel_s=5e-6, cycles_per_s=2e9, syncs=True)
+    stream.install(monkeypatch)
+    assert harness.device_time(stream.step, per_call_ms=0.035) is None
+    assert len(stream.spins) == harness.SPIN_TRIES
+
+
+def test_device_time_sizes_bursts_by_the_call() -> None:
+    """A long call (a tower's forward) gets bursts of one call, a tiny one BURST_CALLS."""
+    for per_call_ms, expected in ((50.0, 1), (0.2, 50), (0.001, harness.BURST_CALLS)):
+        counted = []
+        with pytest.MonkeyPatch.context() as patch:
+            stream = FakeStream(host_s=1e-6, kernel_s=per_call_ms * 1e-3, cycles_per_s=2e9)
+            stream.install(patch)
+
+            def step(stream=stream) -> None:
+                counted.append(1)
+                stream.step()
+
+            assert harness.device_time(step, per_call_ms) == pytest.approx(per_call_ms)
+        assert len(counted) == expected * (1 + harness.BURST_REPS), per_call_ms
+
+
+def test_report_shows_device_time_beside_do_bench() -> None:
+    report = harness.Report("device", CPU, torch.bfloat16, "bytes", ("a",))
+    report.add("case", "a", harness.Timing(1.0, 0.9, 1.1, device_ms=0.25), 1e6)
+    report.add("case", "b", harness.Timing(2.0, 1.9, 2.1), 1e6)
+    a, b = report.records
+    assert (a.device_ms, a.device_rate, a.rate) == (0.25, pytest.approx(4.0), pytest.approx(1.0))
+    assert (b.device_ms, b.device_rate) == (None, None)
+    header, _, row_a, row_b = report.table().splitlines()
+    assert header.split()[:7] == ["case", "impl", "ms", "GB/s", "device", "ms", "device"]
+    assert row_a.split()[2:5] == ["1", "1", "0.25"] and row_b.split()[2:6] == ["2", "0.5", "-", "-"]
+    assert "device ms: GPU time per call" in report.summary()
+    assert report.to_json()["records"][0]["device_rate"] == pytest.approx(4.0)
+
+
 def test_tower_flops_counts_the_8b_tower() -> None:
     """A 64x64-patch image on the 8B tower, counted by hand from the model's shapes."""
     t, c, inter, out, heads = 4096, 1152, 4304, 4096, 16
