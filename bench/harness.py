@@ -179,8 +179,11 @@ def device_time(step: Callable[[], Any], per_call_ms: float) -> float | None:
     the spin ends (checked on the device's clock, against the host's own clock), the burst runs back to back and its
     events measure the device alone. A call that waits on the device (a sync inside) never finishes enqueueing
     before the spin ends: after ``SPIN_TRIES`` ever longer spins it gets None. ``per_call_ms`` (do_bench's median,
-    never below the device time) sizes the burst to about ``BURST_MS``.
+    never below the device time) sizes the burst to about ``BURST_MS``; a call longer than that gets None without a
+    burst: its spins would cost seconds per row (a tower's forward; ``bench_tower`` reports the profiler's GPU time).
     """
+    if per_call_ms > BURST_MS:
+        return None
     calls = max(1, min(BURST_CALLS, int(BURST_MS / max(per_call_ms, 1e-4))))
     torch.cuda.synchronize()
     start = time.perf_counter()
