@@ -220,7 +220,12 @@ def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int =
     step = cycling(calls)
     if device.is_cuda:
         lo, med, hi = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return Timing(med, lo, hi, device_time(step, med))
+        try:
+            on_device = device_time(step, med)
+        except RuntimeError as exc:  # the row keeps do_bench's time; the device run's log says why it has no other
+            print(f"  device time: {reason(exc)}", flush=True)
+            on_device = None
+        return Timing(med, lo, hi, on_device)
     step()
     times = []
     for _ in range(CPU_REPS):
