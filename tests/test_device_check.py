@@ -24,8 +24,9 @@ NVIDIA_SMI = '#!/usr/bin/env bash\necho "Stand-in GPU, 0.0, 1 MiB, 1 MHz"\n'
 SANITIZER = '#!/usr/bin/env bash\necho "compute-sanitizer | $QVL_ATTENTION_HEAD_DIM" >> "$CALLS"\nshift 4\n"$@"\n'
 
 
-def run_script(tmp_path: Path, mode: str, verdict: str) -> tuple[list[str], Path, Path]:
-    """The script's python3 calls (``arguments | layout``), its run folder and the tool's $OUT."""
+def run_script(tmp_path: Path, mode: str, verdict: str, preset: str = "") -> tuple[list[str], Path, Path]:
+    """The script's python3 calls (``arguments | layout``), its run folder and the tool's $OUT; ``preset``: the
+    caller's QVL_ATTENTION_HEAD_DIM (none by default)."""
     tree, tools, out = tmp_path / "tree", tmp_path / "bin", tmp_path / "out"
     (tree / "bench").mkdir(parents=True)
     shutil.copy(ROOT / "bench" / "device_check.sh", tree / "bench")
@@ -40,6 +41,8 @@ def run_script(tmp_path: Path, mode: str, verdict: str) -> tuple[list[str], Path
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "CALLS": str(calls), "FAKE_VERDICT": verdict}
     env.update(OUT=str(out))
     env.pop("QVL_ATTENTION_HEAD_DIM", None)
+    if preset:
+        env["QVL_ATTENTION_HEAD_DIM"] = preset
     result = subprocess.run(
         ["bash", str(tree / "bench" / "device_check.sh"), *([mode] if mode else [])],
         capture_output=True, text=True, timeout=120, env=env,
@@ -75,6 +78,23 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
     shipped = sorted(p.name for p in out.iterdir())
     assert len(shipped) <= 8 and "device.txt" in shipped and "head_dim-tail.log" in shipped, shipped
     assert [name for name in shipped if name.endswith(".tar.gz")] == [f"{run.name}.tar.gz"]
+
+
+@pytest.mark.parametrize("preset", ["split", "padded"])
+def test_a_layout_the_caller_set_skips_the_check(tmp_path, preset):
+    """QVL_ATTENTION_HEAD_DIM from an earlier run's verdict (a second mode on the same lease): no layout check, every
+    step in that layout, device.txt says where it came from. The verdict the stand-in would print is the other one,
+    so a check that ran anyway would show."""
+    other = "padded" if preset == "split" else "split"
+    calls, run, _ = run_script(tmp_path, "--tower", other, preset=preset)
+    assert calls[0].startswith("-c import torch, triton, transformers")
+    assert not any("bench.head_dim_check" in call for call in calls)
+    assert all(call.endswith(f"| {preset}") for call in calls[1:]), calls
+    last_line = (run / "device.txt").read_text().splitlines()[-1]
+    assert (
+        last_line
+        == f"attention head-dim layout: {preset} (given by the caller: QVL_ATTENTION_HEAD_DIM, no check in this run)"
+    )
 
 
 def test_unknown_mode_is_refused(tmp_path):
