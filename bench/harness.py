@@ -68,6 +68,13 @@ PEAKS = {
         datasheet_gbs=4800.0,
         source="measured on this workplace's H200s: 8192^3 bf16 matmul 769-798 TFLOP/s, copy 4.3 TB/s",
     ),
+    "H100": Peaks(
+        matmul_tflops=798.0,
+        copy_gbs=3000.0,
+        datasheet_tflops=989.0,
+        datasheet_gbs=3350.0,
+        source="measured on this workplace's H100 80GB HBM3 (2026-11-13): 8192^3 bf16 matmul 798 TFLOP/s, copy 3 TB/s",
+    ),
 }
 
 
@@ -105,8 +112,12 @@ def get_device(requested: str = "auto") -> Device:
     device = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 * 2**20)
-    peaks = next((p for key, p in PEAKS.items() if key in name), None)
-    return Device(device, name, peaks, l2)
+    return Device(device, name, peaks_for(name), l2)
+
+
+def peaks_for(name: str) -> Peaks | None:
+    """The ceilings of the GPU torch names ``name`` (e.g. "NVIDIA H100 80GB HBM3"), None for one not in PEAKS."""
+    return next((p for key, p in PEAKS.items() if key in name), None)
 
 
 def cpu_name() -> str:

@@ -352,6 +352,13 @@ def test_device_time_sizes_bursts_by_the_call() -> None:
         assert len(counted) == expected * (1 + harness.BURST_REPS), per_call_ms
 
 
+def test_peaks_of_the_lent_gpus() -> None:
+    """Both kinds the device tool lends get their measured ceilings; another GPU gets no share-of-peak column."""
+    assert harness.peaks_for("NVIDIA H200").copy_gbs == 4300.0
+    assert harness.peaks_for("NVIDIA H100 80GB HBM3").copy_gbs == 3000.0
+    assert harness.peaks_for("NVIDIA A100-SXM4-80GB") is None
+
+
 def test_report_shows_device_time_beside_do_bench() -> None:
     report = harness.Report("device", CPU, torch.bfloat16, "bytes", ("a",))
     report.add("case", "a", harness.Timing(1.0, 0.9, 1.1, device_ms=0.25), 1e6)
