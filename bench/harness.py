@@ -508,7 +508,12 @@ class Report:
         """One timed row; ``metric`` (default: the report's) says whether ``work`` counts FLOPs or bytes."""
         metric = metric or self.metric
         unit, scale = METRICS[metric]
-        rate = work / (timing.ms * 1e-3) / scale
+
+        def per_second(ms: float) -> float:
+            return work / (ms * 1e-3) / scale
+
+        rate = per_second(timing.ms)
+        device_rate = None if timing.device_ms is None else per_second(timing.device_ms)
         peak = self.device.peak(metric, self.dtype)
         record = Record(
             case, impl, timing.ms, timing.ms_lo, timing.ms_hi, float(work), rate, unit,
@@ -517,13 +522,12 @@ class Report:
             agrees=err is None or agrees(err, self.dtype),
             note=note,
             device_ms=timing.device_ms,
-            device_rate=None if timing.device_ms is None else work / (timing.device_ms * 1e-3) / scale,
+            device_rate=device_rate,
         )  # fmt: skip
         self.records.append(record)
         self._set_speedups(case)
         # Each row as it is measured: a run cut short (a device lease's limit) still shows the rows it finished.
-        shown = record.device_rate
-        on_device = "" if shown is None else f"; device {record.device_ms:.4g} ms, {shown:.4g}"
+        on_device = "" if device_rate is None else f"; device {timing.device_ms:.4g} ms, {device_rate:.4g}"
         print(f"  {impl}: {timing.ms:.4g} ms ({rate:.4g} {unit}{on_device}){f'; {note}' if note else ''}", flush=True)
         return record
 
@@ -588,8 +592,8 @@ class Report:
         if any(r.device_ms is not None for r in self.records):
             lines.append(
                 "ms: do_bench's median per call (the host's time where it outlasts the GPU's); device ms: GPU time "
-                "per call with the host's enqueue taken out (bursts behind a spin kernel; '-': the call waits on the "
-                "device)"
+                "per call with the host's enqueue taken out (bursts behind a spin kernel; '-': a call that waits on "
+                f"the device or takes over {BURST_MS:g} ms)"
             )
         lines.append("")
         lines.append(self.table())
