@@ -43,17 +43,22 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
-from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import CompiledKernel
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton._C.libtriton import native_specialize_impl
+except ImportError:  # a Triton without it launches every kernel through kernel[grid] (see fast_binder)
+    native_specialize_impl = None
 
 __all__ = [
     "ADA",
     "BACKENDS",
     "TORCH_BACKENDS",
     "TRITON_BACKENDS",
+    "FAST_LAUNCH_TRITON",
     "FMA_CONTRACTION",
     "HOPPER",
     "INTERPRETER",
@@ -68,6 +73,7 @@ __all__ = [
     "device_guard",
     "device_target",
     "fast_binder",
+    "fast_launch_default",
     "fast_launch_enabled",
     "force_backend",
     "next_power_of_2",
@@ -245,13 +251,29 @@ def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None
 # a cache key stringified from the options, the globals check, launch metadata) costs tens of microseconds of
 # host time, more than the norms' and activations' kernels run. A launch whose specialization was launched before
 # calls the compiled kernel's launcher directly, with the arguments in the kernel's order, exactly as
-# ``JITFunction.run`` ends (and as ``CompiledKernel.__getitem__`` launches), in Triton 3.6 and 3.9 alike.
-_fast_launch = os.environ.get("QVL_FAST_LAUNCH", "1") not in ("", "0")
+# ``JITFunction.run`` ends (and as ``CompiledKernel.__getitem__`` launches). That repeats Triton internals (the
+# binder's specialization, the device cache's layout, the compiled launcher's arguments), read against the source of
+# each version below and the binders checked against each version's own (tests/kernels/test_fast_launch.py): torch
+# 2.11 to 2.14 pin Triton 3.6 to 3.8, CI takes the newest. Another version starts with the path off, so a Triton that
+# changed them runs qvl as Triton launches it (correct, with Triton's host cost) until it is checked and added here.
+FAST_LAUNCH_TRITON = ("3.6", "3.7", "3.8", "3.9")
+
+
+def fast_launch_default(setting: str | None, triton_version: str) -> bool:
+    """Whether the fast path starts on: ``setting`` is ``QVL_FAST_LAUNCH`` (None when unset; ``""`` or ``"0"`` off,
+    anything else on), and unset it is on for the Triton versions of :data:`FAST_LAUNCH_TRITON`."""
+    if setting is not None:
+        return setting not in ("", "0")
+    return ".".join(triton_version.split(".")[:2]) in FAST_LAUNCH_TRITON
+
+
+_fast_launch = fast_launch_default(os.environ.get("QVL_FAST_LAUNCH"), triton.__version__)
 
 
 def set_fast_launch(enabled: bool) -> None:
-    """Switch the fast launch path on or off (on by default; ``QVL_FAST_LAUNCH=0`` starts with it off). Off, every
-    launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m bench.bench_host``."""
+    """Switch the fast launch path on or off (see :func:`fast_launch_default` for how it starts; ``QVL_FAST_LAUNCH=0``
+    starts with it off). Off, every launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m
+    bench.bench_host``."""
     global _fast_launch
     _fast_launch = bool(enabled)
 
@@ -283,7 +305,8 @@ class FastBinder:
 
 def fast_binder(kernel: Any) -> FastBinder | None:
     """``kernel``'s :class:`FastBinder`, made once; None for what it does not handle (an interpreted or autotuned
-    kernel, variadic or keyword-only parameters), which then always launches through ``kernel[grid]``."""
+    kernel, variadic or keyword-only parameters, a Triton without ``native_specialize_impl``), which then always
+    launches through ``kernel[grid]``."""
     # Keyed by id: a JITFunction hashes its source hash behind a lock. The entry keeps the kernel alive, so its id
     # is never reused.
     entry = _fast_binders.get(id(kernel))
@@ -296,7 +319,7 @@ _fast_binders: dict[int, tuple[Any, FastBinder | None]] = {}
 
 
 def _make_fast_binder(kernel: Any) -> FastBinder | None:
-    if not isinstance(kernel, JITFunction):
+    if native_specialize_impl is None or not isinstance(kernel, JITFunction):
         return None
     parameters = list(kernel.signature.parameters.values())
     if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters):

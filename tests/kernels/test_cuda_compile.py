@@ -15,6 +15,19 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTXAS = NVIDIA_BIN / "ptxas"
 CUOBJDUMP = NVIDIA_BIN / "cuobjdump"
 REPOSITORY = Path(__file__).resolve().parents[2]
+# Before 3.9 Triton lowers tl.sin and tl.cos to libdevice functions whose slow path for huge arguments (|x| >=
+# 105,615) keeps a 28-byte array in local memory, which the common path branches around (the rotary kernel's PTX
+# under Triton 3.6-3.8: bench/results/compat-triton-20261206/). The rotary kernel, which evaluates them, may keep that
+# frame there; no other kernel calls them.
+TRIG_SLOW_PATH_STACK = 32 if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9) else 0
+
+
+def spilled(lines: list[dict]) -> list[dict]:
+    """The compiled launches that keep anything on the stack beyond libdevice's trig slow path."""
+    return [
+        line for line in lines if line["stack"] > (TRIG_SLOW_PATH_STACK if line["kernel"] == "_rotary_2d_kernel" else 0)
+    ]
+
 
 needs_ptxas = pytest.mark.skipif(
     not PTXAS.exists() and shutil.which("ptxas") is None, reason="Triton's ptxas is not installed"
@@ -67,8 +80,7 @@ def test_attention_training_kernels_do_not_spill_in_16_bit(compiled_variants):
     ]
     kernels = {line["kernel"] for line in checked}
     assert kernels >= {"_vision_attn_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_rotary_2d_kernel"}
-    spilled = [line for line in checked if line["stack"]]
-    assert not spilled, spilled
+    assert not spilled(checked), spilled(checked)
 
 
 @needs_cuobjdump
@@ -81,21 +93,21 @@ def test_the_other_ops_backward_kernels_do_not_spill(compiled_variants):
         "_norm_backward_kernel", "_bias_gelu_backward_kernel", "_bias_swiglu_backward_kernel",
         "_pos_embed_interp_backward_kernel", "_sum_partials_kernel",
     }  # fmt: skip
-    assert not [line for line in checked if line["stack"]], checked
+    assert not spilled(checked), checked
 
 
 @needs_cuobjdump
 def test_rotary_kernels_do_not_spill_in_16_bit(compiled_variants):
     """Every rotary launch in 16 bits (standalone, rotating k and writing attention's cos/sin table, the inverse)
-    keeps everything in registers on sm_90: the rope path's k rotation reached the register cap with 320 bytes of
-    stack when its tiles spanned whole heads."""
+    keeps everything in registers on sm_90 (but for the trig slow path's frame before Triton 3.9): the rope path's k
+    rotation reached the register cap with 320 bytes of stack when its tiles spanned whole heads."""
     _, compiled = compiled_variants
     checked = [line for line in compiled if line["kernel"] == "_rotary_2d_kernel" and " bf16 " in line["name"]]
     assert {line["name"] for line in checked} >= {
         "rotary_2d_ bf16 D=72", "vision_attn bf16 D=72 rope", "vision_attn bf16 D=80 windows rope",
         "vision_attn_backward bf16 D=72 rope",
     }  # fmt: skip
-    assert not [line for line in checked if line["stack"]], checked
+    assert not spilled(checked), spilled(checked)
 
 
 @pytest.fixture(scope="module")

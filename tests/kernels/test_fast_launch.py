@@ -156,6 +156,35 @@ def test_a_rebound_global_or_a_launch_hook_sends_launches_through_triton(kernel,
     assert len(kernel.normal_launches) == 3
 
 
+def test_a_triton_without_its_specializer_launches_every_kernel_through_triton(kernel, monkeypatch):
+    monkeypatch.setattr(common, "native_specialize_impl", None)
+    monkeypatch.setattr(common, "_fast_binders", {})
+    x, y = torch.empty(2, 256)
+    _launch(kernel, x, y, 1000)
+    _launch(kernel, x, y, 1000)
+    assert len(kernel.normal_launches) == 2
+    assert common.fast_binder(kernel) is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "version", "on"),
+    [
+        (None, "3.6.0", True),
+        (None, "3.7.1", True),
+        (None, "3.8.0", True),
+        (None, "3.9.0+git1a2b3c4", True),
+        (None, "3.10.0", False),
+        (None, "4.0.0", False),
+        ("1", "3.10.0", True),
+        ("0", "3.9.0", False),
+        ("", "3.9.0", False),
+    ],
+)
+def test_the_fast_path_starts_on_for_the_checked_triton_versions_unless_set(setting, version, on):
+    """QVL_FAST_LAUNCH unset: on where the fast path was checked against the version's internals; set, as it says."""
+    assert common.fast_launch_default(setting, version) is on
+
+
 def _counting_triton_launches(kernel, monkeypatch) -> list:
     """Record each launch of ``kernel`` that goes through Triton's ``JITFunction.run``."""
     calls, run = [], kernel.run
