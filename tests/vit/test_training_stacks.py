@@ -12,6 +12,7 @@ from test_hf_patch import GRID, TINY_VISION, float64_run, image_inputs, tiny_ful
 from test_qwen2_towers import vision_model as qwen2_vision_model
 from test_training import loss_of
 from test_training import vision_gradients as gradients
+from transformers import PreTrainedModel
 
 from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
@@ -59,6 +60,31 @@ def test_transformers_checkpointing_runs_the_blocks_own_function(use_reentrant, 
         assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, blocks)), f"{name}: recomputed once each"
         for key in got:
             assert_error_within(got[key], truth[key], expected[key], what=f"{name} checkpointed: {key}")
+
+
+@pytest.mark.skipif(
+    not hasattr(PreTrainedModel, "activation_checkpointing_enable"),
+    reason="this transformers predates activation_checkpointing_enable (every_n_layers, offload)",
+)
+def test_activation_checkpointing_of_every_other_block(block_runs):
+    """transformers' activation_checkpointing_enable(every_n_layers=2) (gradient_checkpointing_enable's successor)
+    flags every other block: the patched tower recomputes exactly those, once each, through the function transformers
+    installed, with transformers' gradients. (Its offload=True pins host memory, which needs an accelerator.)"""
+    for name, hf, rotary, pixels in towers():
+        truth = float64_run(hf, lambda model, p=pixels: gradients(model, p, GRID), *rotary)
+        hf.train()
+        hf.activation_checkpointing_enable(every_n_layers=2)
+        blocks = list(hf.blocks)
+        flagged = [block for block in blocks if block.gradient_checkpointing]
+        assert 0 < len(flagged) < len(blocks), name
+        expected = gradients(hf, pixels, GRID)
+        patch_model(hf)
+        del block_runs[:]
+        got = gradients(hf, pixels, GRID)
+        assert block_runs[: len(blocks)] == blocks, name
+        assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, flagged)), f"{name}: the flagged, once each"
+        for key in got:
+            assert_error_within(got[key], truth[key], expected[key], what=f"{name} every other block: {key}")
 
 
 def test_checkpoint_wrapper_recomputes_wrapped_blocks(block_runs):
