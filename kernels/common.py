@@ -254,7 +254,7 @@ def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None
 # ``JITFunction.run`` ends (and as ``CompiledKernel.__getitem__`` launches). That repeats Triton internals (the
 # binder's specialization, the device cache's layout, the compiled launcher's arguments), read against the source of
 # each version below and the binders checked against each version's own (tests/kernels/test_fast_launch.py): torch
-# 2.11 to 2.14 pin Triton 3.6 to 3.8, CI takes the newest. Another version starts with the path off, so a Triton that
+# 2.11 to 2.15 pin Triton 3.6 to 3.9. Another version starts with the path off, so a Triton that
 # changed them runs qvl as Triton launches it (correct, with Triton's host cost) until it is checked and added here.
 FAST_LAUNCH_TRITON = ("3.6", "3.7", "3.8", "3.9")
 
