@@ -399,12 +399,15 @@ class ModuleForward:
     Where transformers' gradient checkpointing is on for the module (a ``GradientCheckpointingLayer`` after
     ``gradient_checkpointing_enable``, in training, grad mode on), the step runs through the module's own
     ``_gradient_checkpointing_func``: whatever function and kwargs the user, a trainer or a library installed.
-    Any other call runs the forward this one replaced (transformers' own, e.g. its unfused fallback).
+    transformers before 5.23 checkpoints such a layer in its ``__call__``, around this forward: the step then runs
+    as it is, inside that one checkpoint (from 5.23 the layer checkpoints its class's ``forward``, which this one
+    replaces). Any other call runs the forward this one replaced (transformers' own, e.g. its unfused fallback).
     """
 
     def __init__(self, module: nn.Module, replaced: Callable | None):
         self.module = module
         self.replaced = replaced
+        self.checkpointed_by_call = _checkpointed_by_call(module)
 
     def original_forward(self) -> Callable:
         """The forward this one replaced, bound to the module."""
@@ -415,10 +418,33 @@ class ModuleForward:
             return self.original_forward()(*args, **kwargs)
         step, options = qvl
         module = self.module
-        if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
+        if (
+            getattr(module, "gradient_checkpointing", False)
+            and module.training
+            and torch.is_grad_enabled()
+            and not self.checkpointed_by_call
+        ):
             # The tensors go positionally, as transformers asks for its reentrant checkpointing.
             return module._gradient_checkpointing_func(functools.partial(step, module, **options), *args)
         return step(module, *args, **options)
+
+
+def _checkpointed_by_call(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``GradientCheckpointingLayer`` whose ``__call__`` checkpoints it
+    (transformers before 5.23), so that its forward already runs inside the checkpoint."""
+    layer = _call_checkpointing_layer()
+    return layer is not None and isinstance(module, layer)
+
+
+@functools.cache
+def _call_checkpointing_layer() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` where it checkpoints in ``__call__``; None where it checkpoints
+    ``forward`` (5.23 on) or transformers is not installed."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer if "__call__" in vars(GradientCheckpointingLayer) else None
 
 
 def forward_slot(module: nn.Module) -> str:

@@ -4,7 +4,9 @@ unpatched transformers model's gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from test_hf_patch import GRID, TINY_VISION, float64_run, image_inputs, tiny_ful
 from test_qwen2_towers import vision_model as qwen2_vision_model
 from test_training import loss_of
 from test_training import vision_gradients as gradients
+from torch import nn
 from transformers import PreTrainedModel
 
 from qvl.kernels import force_backend
@@ -32,34 +35,62 @@ def towers():
         yield name, hf, rotary, pixel_values_for(GRID, seed=63, channels=QWEN2_PATCH_DIM)
 
 
+@contextlib.contextmanager
+def checkpointing_in_call():
+    """transformers' GradientCheckpointingLayer as before 5.23, which checkpointed each layer in its ``__call__``
+    (around the module's whole call, the forward qvl installs included) rather than in its class's ``forward``."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def call(self, *args, **kwargs):  # transformers 5.22's, without its cache arguments
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(nn.Module.__call__, self, **kwargs), *args)
+        return nn.Module.__call__(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GradientCheckpointingLayer, "__call__", call, raising=False)
+        runner._call_checkpointing_layer.cache_clear()
+        try:
+            yield
+        finally:
+            runner._call_checkpointing_layer.cache_clear()
+
+
+@pytest.mark.parametrize("layer", ["installed", "pre-5.23 __call__"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_transformers_checkpointing_runs_the_blocks_own_function(use_reentrant, block_runs):
+def test_transformers_checkpointing_runs_the_blocks_own_function(use_reentrant, layer, block_runs):
     """gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) installs a checkpoint function on each block;
-    the patched tower calls that function (transformers' own test mocks it) with the user's kwargs, and each block
-    is recomputed in backward, with transformers' gradients."""
+    the patched tower calls that function (transformers' own test mocks it) with the user's kwargs, once per block
+    also where transformers checkpoints the layer in its ``__call__`` (before 5.23), and each block is recomputed
+    once in backward, with transformers' gradients."""
     for name, hf, rotary, pixels in towers():
         truth = float64_run(hf, lambda model, p=pixels: gradients(model, p, GRID), *rotary)
         hf.train()
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         expected = gradients(hf, pixels, GRID)
-        patch_model(hf)
-        calls = []
-        for block in hf.blocks:
-            installed = block._gradient_checkpointing_func
-
-            def counting(function, *args, installed=installed, block=block):
-                calls.append(block)
-                return installed(function, *args)
-
-            block._gradient_checkpointing_func = counting
-        del block_runs[:]
-        got = gradients(hf, pixels, GRID)
+        with checkpointing_in_call() if layer != "installed" else contextlib.nullcontext():
+            patch_model(hf)
+            got, calls = checkpointed_gradients(hf, pixels, block_runs)
         assert calls == list(hf.blocks), name
         blocks = list(hf.blocks)
         assert block_runs[: len(blocks)] == blocks, name
         assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, blocks)), f"{name}: recomputed once each"
         for key in got:
             assert_error_within(got[key], truth[key], expected[key], what=f"{name} checkpointed: {key}")
+
+
+def checkpointed_gradients(hf, pixels, block_runs):
+    """The patched tower's gradients, and the blocks whose checkpoint function ran, in order."""
+    calls = []
+    for block in hf.blocks:
+        installed = block._gradient_checkpointing_func
+
+        def counting(function, *args, installed=installed, block=block):
+            calls.append(block)
+            return installed(function, *args)
+
+        block._gradient_checkpointing_func = counting
+    del block_runs[:]
+    return gradients(hf, pixels, GRID), calls
 
 
 @pytest.mark.skipif(
