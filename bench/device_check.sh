@@ -22,8 +22,9 @@
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   6. the plots of the whole run (bench.plot)                                               *.png
 #   7. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
-# --attention (about 8 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
-#   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape).
+# --attention (about 8.5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
+#   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape)
+#   and Qwen2.5-VL's window attention.
 # --tower (about 8.5 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
 #   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
 #   SDPA eager), the bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports,
@@ -174,6 +175,7 @@ elif [ "$mode" = "--attention" ]; then
   kernel_checks
   bench attention 90 --skip flex_attention
   bench attention_backward 60 --skip flex_attention
+  bench window 30
 elif [ "$mode" = "--full" ]; then
   kernel_checks
   # The long cases and the compiled towers: longer than a 15-minute lease holds with a rerun.
