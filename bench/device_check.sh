@@ -31,9 +31,9 @@
 #   writes nothing; tune_rows.log, tune_rows.json), rotary, the position table.
 #   No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
-# Everything goes to bench/results/run-<date>-<UTC hhmm>/. Under the device tool ($OUT set: at most 8 files come back)
-# that folder is also packed into $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every
-# step: a run cut short by the tool's limit still brings back the steps it finished, and a benchmark cut by its
+# Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start (seconds into the call) to phases.txt
+# there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
+# $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every step: a run cut short by the tool's limit still brings back the steps it finished, and a benchmark cut by its
 # timeout the rows it measured (printed, and saved in its JSON noted as cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +59,8 @@ ship() {
   for log in head_dim gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
   return 0
 }
-phase() { ship; echo "=== $1 (at $((SECONDS - started)) s)"; }
+# Each step's start, also kept in phases.txt: what each one took on the device, for sizing the timeouts.
+phase() { echo "=== $1 (at $((SECONDS - started)) s)" | tee -a "$out/phases.txt"; ship; }
 # bench NAME SECONDS [ARGS...]: one benchmark module under its own timeout, appending to bench.log, so that a slow one
 # cannot starve those after it (each prints its rows as it measures them: a cut one keeps what it finished).
 bench() {

@@ -78,6 +78,8 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
     last_line = (run / "device.txt").read_text().splitlines()[-1]
     why = "chosen by bench.head_dim_check" if verdict else "bench.head_dim_check gave no verdict"
     assert last_line == f"attention head-dim layout: {layout} ({why})"
+    phases = [line.split(" (at ")[0] for line in (run / "phases.txt").read_text().splitlines()]
+    assert phases[:2] == ["=== device", "=== head-dim layout check"] and phases[-2:] == ["=== goals", "=== done"]
     shipped = sorted(p.name for p in out.iterdir())
     assert len(shipped) <= 8 and "device.txt" in shipped and "head_dim-tail.log" in shipped, shipped
     assert [name for name in shipped if name.endswith(".tar.gz")] == [f"{run.name}.tar.gz"]
