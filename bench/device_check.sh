@@ -33,8 +33,9 @@
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start (seconds into the call) to phases.txt
 # there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
-# $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every step: a run cut short by the tool's limit still brings back the steps it finished, and a benchmark cut by its
-# timeout the rows it measured (printed, and saved in its JSON noted as cut short).
+# $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every step: a run cut short by the
+# tool's limit still brings back the steps it finished, and a benchmark cut by its timeout the rows it measured
+# (printed, and saved in its JSON noted as cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 quick=--quick
