@@ -6,10 +6,11 @@
 #
 # default (at most about 9.5 minutes: a 15-minute lease holds one call and its start; the focused modes are shorter):
 #   1. device, driver, versions, commit                                                   device.txt
-#   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split and the padded tiling of D 72,
-#      and D 80 with --attention/--full, against float64; the rope forward timed in both); every later step runs
-#      in the layout it prints (QVL_ATTENTION_HEAD_DIM: split where it agreed, else padded). Skipped where the
-#      caller set QVL_ATTENTION_HEAD_DIM=split|padded (an earlier run's verdict, the later steps run in that one)
+#   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split tiling of D 72, and D 80 with
+#      --attention/--full, against float64, split32 where split disagreed, and the padded one; the rope forward
+#      timed in each that agreed); every later step runs in the layout it prints (QVL_ATTENTION_HEAD_DIM: split or
+#      split32 where it agreed, else padded). Skipped where the caller set QVL_ATTENTION_HEAD_DIM=split|split32|padded
+#      (an earlier run's verdict, the later steps run in that one)
 #                                                                         head_dim.log, head_dim.json, device.txt
 #   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35); it writes
 #      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
@@ -85,20 +86,20 @@ phase device
   echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
 } 2>&1 | tee "$out/device.txt"
 
-# The split head-dim tiling (72 = 64 + 16) has run in the interpreter only: check it and the padded one on this
-# device first, and run everything after in the layout that agreed (padded, the layout an H200 ran right before,
-# when the check finds split wrong or gives no verdict). --attention and --full check D 80 (Qwen2.5-VL) as well.
-# A caller who set QVL_ATTENTION_HEAD_DIM (split or padded: what an earlier run's check chose, e.g. --tower after
-# --attention on the same lease) skips the check and its 100 s.
+# The split head-dim tilings (72 = 64 + 16; split32: 64 + 32) have run in the interpreter only: check them and the
+# padded one on this device first, and run everything after in the layout that agreed (padded, the layout an H200
+# ran right before, when the check finds both split tilings wrong or gives no verdict). --attention and --full check D 80 (Qwen2.5-VL) as well.
+# A caller who set QVL_ATTENTION_HEAD_DIM (split, split32 or padded: what an earlier run's check chose, e.g. --tower
+# after --attention on the same lease) skips the check and its 100 s.
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
-  split|padded)
+  split|split32|padded)
     layout="$QVL_ATTENTION_HEAD_DIM"
     verdict="given by the caller: QVL_ATTENTION_HEAD_DIM, no check in this run"
     ;;
   *)
     phase "head-dim layout check"
-    # The verdict comes once the split rows are done (about half the time); the padded rows after it are for
-    # comparison.
+    # The verdict comes once the split rows are done (about half the time where split agrees; split32's rows come
+    # first where it does not); the padded rows after it are for comparison.
     head_dims=(72)
     layout_timeout=100
     case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=160 ;; esac

@@ -3,7 +3,7 @@
 The split layout (72 = 64 + a 16-wide tail, :func:`qvl.kernels.attention.head_dim_tiles`) is checked in Triton's
 interpreter only; the tiling it replaced was right there too and wrong on an H200 wherever a segment ended inside
 a key block (bench/results/diag-20261204/). So a device run checks it before anything else uses it: for each head
-dim, in the split and the padded layout, the forward without rope on segments that end inside key blocks, one
+dim, in the split layouts and the padded one, the forward without rope on segments that end inside key blocks, one
 shorter than a key block alone (the H200's NaN case) and block multiples, and forward + backward with rope (as the
 towers train) on the ragged segments, each against the float64 reference. A check agrees where its relative error
 is within the harness's bound (:data:`bench.harness.TOLERANCE`) or at most :data:`TORCH_ERROR_FACTOR` times torch's
@@ -11,8 +11,10 @@ own in the same dtype (SDPA per segment, the gradients through autograd), so bf1
 On a GPU it also times the forward with rope, the towers' call, at S 4,096 and on a mixed batch.
 
 The split layout goes first: once its rows are done it prints ``head-dim layout: split`` where every split check
-agreed, else ``head-dim layout: padded``, then checks and times the padded layout for comparison (a run cut short
-there keeps the verdict; ``--json`` is rewritten after every row). bench/device_check.sh exports the verdict as
+agreed. Where one did not, split32 (a 32-wide tail: another shape of the tail's MMA instruction, see
+:func:`~qvl.kernels.attention.head_dim_tiles`) is checked next and chosen where all of its checks agree, else
+``head-dim layout: padded``. Then the padded layout is checked and timed for comparison (a run cut short there
+keeps the verdict; ``--json`` is rewritten after every row). bench/device_check.sh exports the verdict as
 ``QVL_ATTENTION_HEAD_DIM`` for its later steps (tile sweep, tests, benchmarks), so a wrong split tiling costs the
 run its speed, not its numbers.
 
@@ -28,7 +30,10 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -157,32 +162,90 @@ def agreed(row: dict, dtype: torch.dtype) -> bool:
     )
 
 
-def choose(results: dict, dtype: torch.dtype) -> str:
-    """``"split"`` where every split check of every head dim agreed, else ``"padded"``."""
-    splits = [row for row in results["rows"] if row["layout"] == "split"]
-    return "split" if all(agreed(row, dtype) for row in splits) else "padded"
+# The layouts a run checks, in the order it prefers them: least dot work first; padded is the fallback.
+SPLIT_LAYOUTS = ("split", "split32")
+
+
+def choose(results: dict, dtype: torch.dtype) -> str | None:
+    """The first of :data:`SPLIT_LAYOUTS` checked in ``results`` whose checks of every head dim agreed; ``"padded"``
+    when every one checked so far disagreed and none is left to check; None while one is left."""
+    for layout in SPLIT_LAYOUTS:
+        rows = [row for row in results["rows"] if row["layout"] == layout]
+        if not rows:
+            return None
+        if all(agreed(row, dtype) for row in rows):
+            return layout
+    return "padded"
+
+
+def layout_rows(
+    layout: str,
+    head_dims: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool,
+    results: dict | None = None,
+    json_path: Path | None = None,
+) -> list[dict]:
+    """Every head dim's row in ``layout`` (set for the rest of the process), each printed when done and, given
+    ``results``, appended to its rows and saved to ``json_path``."""
+    attention.set_head_dim_layout(layout)
+    rows = []
+    for head_dim in head_dims:
+        rows.append(checked_row(head_dim, layout, dtype, device, quick))
+        print(describe(rows[-1]), flush=True)
+        if results is not None:
+            results["rows"].append(rows[-1])
+            write_json(results, json_path)
+    return rows
+
+
+def rows_in_fresh_process(
+    layout: str, head_dims: Sequence[int], dtype: torch.dtype, device: torch.device, quick: bool
+) -> list[dict]:
+    """:func:`layout_rows` in a new process. An illegal memory access leaves CUDA unusable in the process where it
+    happened (every later call fails), so after a layout raised on the device the next ones are checked in a
+    process of their own. A process that dies gives rows that raised."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(layout_rows, layout, list(head_dims), dtype, device, quick).result()
+        except BrokenProcessPool as exc:
+            error = f"{type(exc).__name__}: {exc}"[:200]
+    rows = [raised(new_row(head_dim, layout), error) for head_dim in head_dims]
+    for row in rows:
+        row["agrees"] = False
+        print(describe(row), flush=True)
+    return rows
 
 
 def run(
     head_dims: Sequence[int], dtype: torch.dtype, device: torch.device, quick: bool, json_path: Path | None = None
 ) -> dict:
-    """Check (and on a GPU without ``quick``, time) every head dim in the split layout, print the choice
-    (``head-dim layout: ...``, which depends on the split rows only), then check and time the padded layout for
-    comparison: a run cut short there keeps its verdict. The results so far go to ``json_path`` after every row.
-    The layout in use before is restored. Returns ``{"rows": [...], "layout": the choice}``."""
+    """Check (and on a GPU without ``quick``, time) every head dim in the split layout; where any check disagrees,
+    in split32 too; print the choice (``head-dim layout: ...``: the first of them that agreed, else padded), then
+    check and time the padded layout for comparison: a run cut short there keeps its verdict. The results so far
+    go to ``json_path`` after every row (after every layout checked in a fresh process: on a GPU, each one after a
+    layout raised). The layout in use before is restored. Returns ``{"rows": [...], "layout": the choice}``."""
     before = attention.head_dim_layout()
     results = {"rows": [], "layout": None}
+    fresh = False
     try:
-        for layout in ("split", "padded"):
-            attention.set_head_dim_layout(layout)
-            for head_dim in head_dims:
-                results["rows"].append(checked_row(head_dim, layout, dtype, device, quick))
-                print(describe(results["rows"][-1]), flush=True)
+        for layout in (*SPLIT_LAYOUTS, "padded"):
+            if layout in SPLIT_LAYOUTS and results["layout"] is not None:
+                continue
+            if fresh:
+                rows = rows_in_fresh_process(layout, head_dims, dtype, device, quick)
+                results["rows"] += rows
                 write_json(results, json_path)
+            else:
+                rows = layout_rows(layout, head_dims, dtype, device, quick, results, json_path)
+            fresh = fresh or (device.type == "cuda" and any("error" in row for row in rows))
             if results["layout"] is None:
                 results["layout"] = choose(results, dtype)
-                print(f"head-dim layout: {results['layout']}", flush=True)
-                write_json(results, json_path)
+                if results["layout"] is not None:
+                    print(f"head-dim layout: {results['layout']}", flush=True)
+                    write_json(results, json_path)
     finally:
         attention.set_head_dim_layout(before)
     return results
@@ -191,18 +254,28 @@ def run(
 def checked_row(head_dim: int, layout: str, dtype: torch.dtype, device: torch.device, quick: bool) -> dict:
     """One head dim in the layout in use (``layout`` names it): its checks' errors, whether they agree, and on a GPU
     without ``quick`` its timings where they do."""
-    tiles = attention.head_dim_tiles(head_dim)
-    row = {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
+    row = new_row(head_dim, layout)
     try:
         found = checks(head_dim, dtype, device, quick)
         row["errors"] = {name: err for name, (err, _) in found.items()}
         row["torch_errors"] = {name: base for name, (_, base) in found.items()}
     except Exception as exc:  # noqa: BLE001 - e.g. an illegal address: the layout fails, the report goes on
-        row["errors"], row["torch_errors"] = {"raised": math.nan}, {}
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        raised(row, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     row["agrees"] = agreed(row, dtype)
     if device.type == "cuda" and not quick and row["agrees"]:
         row["timings"] = timings(head_dim, dtype, device)
+    return row
+
+
+def new_row(head_dim: int, layout: str) -> dict:
+    tiles = attention.head_dim_tiles(head_dim, layout)
+    return {"head_dim": head_dim, "layout": layout, "tiles": f"{tiles.main}+{tiles.tail}"}
+
+
+def raised(row: dict, error: str) -> dict:
+    """``row`` marked as a check that raised ``error``: its one error NaN, so it never agrees."""
+    row["errors"], row["torch_errors"] = {"raised": math.nan}, {}
+    row["error"] = error[:200]
     return row
 
 

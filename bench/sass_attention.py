@@ -20,8 +20,8 @@ Beyond the launch configuration ``vision_attn`` picks today: ``--descriptors`` c
 through TMA descriptors; ``--candidates`` compiles every tile candidate ``bench.tune_attention`` sweeps (without
 rope); ``--table`` compiles every sm_90 entry of the packaged tile table (what a device chose); ``--heuristic``
 the tiles ``vision_attn`` takes where the table has no entry. ``--head-dim-layout padded`` compiles heads that are not
-a power of two as one padded tile instead of the split main + tail tiles (``--table``: each entry in the layout its
-key names; the ``head-dim tiles`` column says which ran). Each row also
+a power of two as one padded tile instead of the split main + tail tiles, ``split32`` with a 32-wide tail
+(``--table``: each entry in the layout its key names; the ``head-dim tiles`` column says which ran). Each row also
 gives the key loop's warp-instructions per 1,000 useful multiply-adds (q.k and p.v at the true head dim:
 ``loop x warps x 1000 / (2 x BLOCK_M x BLOCK_N x D)``), which compares tiles of different sizes. Numbers of the
 compiler, not timings: they guide tile and fusion choices until a device measures them.
@@ -139,14 +139,14 @@ def variants(args: argparse.Namespace) -> list[dict]:
     if args.table:
         found = []
         for key, entry in attention.tile_table().items():
-            arch, dtype_name, head_dim, segments, *padded = key.split("/")
+            arch, dtype_name, head_dim, segments, *keyed_layout = key.split("/")
             if arch != f"cuda:{HOPPER.arch}":
                 continue
             tiles = {name: entry[name] for name in attention.TILE_KEYS}
             max_seqlen = attention.SHORT_SEGMENT_MAX if segments == "short" else None
             dtype = getattr(torch, dtype_name)
             found += [dict(head_dim=int(head_dim[1:]), rope=rope, max_seqlen=max_seqlen, dtype=dtype, tiles=tiles,
-                           head_dim_layout="padded" if padded == ["padded"] else "split")
+                           head_dim_layout=keyed_layout[0] if keyed_layout else "split")
                       for rope in (False, True)]  # fmt: skip
         return found
     if args.candidates:

@@ -14,7 +14,8 @@ on the case's batch and on ragged segments that end inside a tile (the timed bat
 tile, and a compiler bug on ragged blocks once passed a check on them alone), and timed with
 ``triton.testing.do_bench`` on the case's batch. The fastest correct candidate becomes the entry, with its time
 and the heuristic's. The sweep stops at ``--budget-s`` and writes what it measured. It sweeps the head-dim
-layout in use (``QVL_ATTENTION_HEAD_DIM``); entries of the padded layout are keyed apart (``.../padded``).
+layout in use (``QVL_ATTENTION_HEAD_DIM``); entries of the other layouts are keyed apart (``.../padded``,
+``.../split32``).
 
     python -m bench.tune_attention [--budget-s 240] [--head-dims 64 72 80] [--dtypes bf16]
                                    [--table kernels/attention_tiles.json] [--dry-run]

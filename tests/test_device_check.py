@@ -53,7 +53,9 @@ def run_script(tmp_path: Path, mode: str, verdict: str, preset: str = "") -> tup
 
 
 @pytest.mark.parametrize("mode", ["", "--attention", "--tower"])
-@pytest.mark.parametrize("verdict", ["split", "padded", ""], ids=["split", "padded", "no_verdict"])
+@pytest.mark.parametrize(
+    "verdict", ["split", "split32", "padded", ""], ids=["split", "split32", "padded", "no_verdict"]
+)
 def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, verdict):
     calls, run, out = run_script(tmp_path, mode, verdict)
     layout = verdict or "padded"
@@ -85,7 +87,7 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
     assert [name for name in shipped if name.endswith(".tar.gz")] == [f"{run.name}.tar.gz"]
 
 
-@pytest.mark.parametrize("preset", ["split", "padded"])
+@pytest.mark.parametrize("preset", ["split", "split32", "padded"])
 def test_a_layout_the_caller_set_skips_the_check(tmp_path, preset):
     """QVL_ATTENTION_HEAD_DIM from an earlier run's verdict (a second mode on the same lease): no layout check, every
     step in that layout, device.txt says where it came from. The verdict the stand-in would print is the other one,

@@ -1,6 +1,6 @@
-"""bench/head_dim_check.py, the first step of a device run, through the interpreter: both head-dim layouts checked
+"""bench/head_dim_check.py, the first step of a device run, through the interpreter: the head-dim layouts checked
 against float64, the choice it prints (which bench/device_check.sh exports for the run's later steps), and the
-fallback to the padded layout when a split check disagrees or raises."""
+fallbacks, to split32 and then to the padded layout, when a split check disagrees or raises."""
 
 import json
 import math
@@ -38,19 +38,37 @@ def test_both_layouts_agree_in_the_interpreter(tmp_path, capsys, use_head_dim_la
     assert attention.head_dim_layout() == "split"
 
 
-def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsys):
-    """The verdict is printed before the padded rows, so a device run cut short while timing them keeps it."""
+def wrong_in(*wrong_layouts):
+    """A stand-in for head_dim_check.checks: NaN in ``wrong_layouts`` (D 80 raising an illegal address in split)."""
 
     def checks(head_dim, dtype, device, quick):
         layout = attention.head_dim_layout()
         if head_dim == 80 and layout == "split":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return {"forward short": (math.nan if layout == "split" else 1e-3, 1e-3)}
+        return {"forward short": (math.nan if layout in wrong_layouts else 1e-3, 1e-3)}
 
-    monkeypatch.setattr(head_dim_check, "checks", checks)
+    return checks
+
+
+def test_a_wrong_split_layout_falls_back_to_split32(monkeypatch, capsys):
+    monkeypatch.setattr(head_dim_check, "checks", wrong_in("split"))
+    results = head_dim_check.run([72, 80], torch.float16, torch.device("cpu"), quick=True)
+    assert [(row["head_dim"], row["layout"], row["tiles"], row["agrees"]) for row in results["rows"]] == [
+        (72, "split", "64+16", False), (80, "split", "64+16", False), (72, "split32", "64+32", True),
+        (80, "split32", "64+32", True), (72, "padded", "128+0", True), (80, "padded", "128+0", True),
+    ]  # fmt: skip
+    assert results["layout"] == "split32"
+    out = capsys.readouterr().out
+    assert out.count("head-dim layout:") == 1 and out.index("head-dim layout: split32") < out.index("D 72 padded")
+
+
+def test_wrong_split_layouts_fall_back_to_padded(monkeypatch, capsys):
+    """The verdict is printed before the padded rows, so a device run cut short while timing them keeps it."""
+    monkeypatch.setattr(head_dim_check, "checks", wrong_in("split", "split32"))
     results = head_dim_check.run([72, 80], torch.float16, torch.device("cpu"), quick=True)
     assert [(row["head_dim"], row["layout"], row["agrees"]) for row in results["rows"]] == [
-        (72, "split", False), (80, "split", False), (72, "padded", True), (80, "padded", True),
+        (72, "split", False), (80, "split", False), (72, "split32", False), (80, "split32", False),
+        (72, "padded", True), (80, "padded", True),
     ]  # fmt: skip
     assert results["rows"][1]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert results["layout"] == "padded"
@@ -59,6 +77,36 @@ def test_a_wrong_or_failing_split_layout_falls_back_to_padded(monkeypatch, capsy
     assert out.index("head-dim layout: padded") < out.index("D 72 padded")
     only_72 = {"rows": [{**row, "errors": {"x": 1e-3}} if row["layout"] == "split" else row for row in results["rows"]]}
     assert head_dim_check.choose(only_72, torch.float16) == "split"
+    assert head_dim_check.choose({"rows": results["rows"][:2]}, torch.float16) is None  # split32 still to check
+
+
+def test_layouts_after_one_raised_on_the_device_are_checked_in_fresh_processes(monkeypatch):
+    """An illegal address leaves CUDA unusable in its process: the layouts checked after it get processes of their
+    own (here stand-ins; the checks themselves touch no device)."""
+    fresh = []
+
+    def in_fresh_process(layout, head_dims, dtype, device, quick):
+        fresh.append(layout)
+        return head_dim_check.layout_rows(layout, head_dims, dtype, device, quick)
+
+    monkeypatch.setattr(head_dim_check, "checks", wrong_in("split"))
+    monkeypatch.setattr(head_dim_check, "rows_in_fresh_process", in_fresh_process)
+    results = head_dim_check.run([72, 80], torch.float16, torch.device("cuda"), quick=True)
+    assert fresh == ["split32", "padded"] and results["layout"] == "split32"
+    fresh.clear()
+    head_dim_check.run([72], torch.float16, torch.device("cuda"), quick=True)
+    assert fresh == []  # split wrong at D 72, but nothing raised: one process
+    head_dim_check.run([72, 80], torch.float16, torch.device("cpu"), quick=True)
+    assert fresh == []  # D 80 raised, but the interpreter has no device state to lose
+
+
+def test_a_fresh_process_checks_split32_in_the_interpreter(use_head_dim_layout):
+    """What a device run does after split raised, here through Triton's interpreter in a spawned process (fp16)."""
+    use_head_dim_layout("split")
+    (row,) = head_dim_check.rows_in_fresh_process("split32", [72], torch.float16, torch.device("cpu"), quick=True)
+    assert (row["layout"], row["tiles"], row["agrees"]) == ("split32", "64+32", True), row
+    assert set(row["errors"]) == {f"forward {name}" for name in head_dim_check.LENGTHS} | {"rope fwd+bwd ragged"}
+    assert attention.head_dim_layout() == "split"  # the parent's layout is its own
 
 
 def test_a_check_is_judged_against_torchs_own_error_in_the_dtype():

@@ -77,8 +77,10 @@ class HeadDimTiles(NamedTuple):
 
 
 # How heads whose width is not a power of two are tiled (see head_dim_tiles), for every attention kernel of the
-# process: "split" (the default) or "padded", from this environment variable, read once at import.
-HEAD_DIM_LAYOUTS = ("split", "padded")
+# process: "split" (the default), "split32" or "padded", from this environment variable, read once at import.
+HEAD_DIM_LAYOUTS = ("split", "split32", "padded")
+# The narrowest tail tile of each split layout.
+_MIN_TAIL = {"split": 16, "split32": 32}
 HEAD_DIM_LAYOUT_VARIABLE = "QVL_ATTENTION_HEAD_DIM"
 
 
@@ -92,7 +94,7 @@ _head_dim_layout = _checked_layout(os.environ.get(HEAD_DIM_LAYOUT_VARIABLE) or "
 
 
 def head_dim_layout() -> str:
-    """The head-dim layout the attention kernels use now: ``"split"`` or ``"padded"`` (:func:`head_dim_tiles`)."""
+    """The head-dim layout the attention kernels use now: one of :data:`HEAD_DIM_LAYOUTS` (:func:`head_dim_tiles`)."""
     return _head_dim_layout
 
 
@@ -109,29 +111,35 @@ def head_dim_tiles(head_dim: int, layout: str | None = None) -> HeadDimTiles:
     """The head-dim tiling of the attention kernels for heads of ``head_dim`` columns in ``layout`` (default: the
     process's, :func:`head_dim_layout`).
 
-    A power of two is one tile in both layouts (at least 16 wide: narrower heads take a 16-wide tile with masked
+    A power of two is one tile in every layout (at least 16 wide: narrower heads take a 16-wide tile with masked
     columns). Otherwise, ``"split"``: the main tile is the largest power of two below ``head_dim`` and the tail
     tile the smallest power of two (at least 16) that holds the rest, placed flush with the head's end: 72 = 64 +
     the 16 columns ``[56, 72)``, 80 = 64 + ``[64, 80)``, 96 = 64 + 32. The dots then do 80/72 (1.11x) of the useful
     work at D 72 and none extra at 80 or 96, where one tile of the next power of two does 128/72 and 128/80. Where
     the tail would be as wide as the main tile (D 24, 112, 200), one tile of twice the main width is the same work.
+    ``"split32"``: the same with a tail of at least 32 columns: 72 = 64 + ``[40, 72)`` (1.33x, the work of
+    FlashAttention-3's 96-wide tile), 80 = 64 + ``[48, 80)`` (1.2x). Its dots over the tail have N = 32 where
+    split's have N = 16, a different shape of the Hopper MMA instruction and its shared-memory operand (a 64-byte
+    swizzle instead of a 32-byte one), so that a device run on which the 16-wide tail computes wrong results can
+    tell whether the 32-wide one does too (``bench.head_dim_check`` checks split, then split32, then takes padded).
     ``"padded"``: one tile of the next power of two, its columns past the head masked (the layout every Qwen head
     dim ran correctly on an H200, at 1.78x the useful work at D 72).
 
     Every tail column is a real column of the head: no load needs a column mask. The columns the two tiles
-    share (``[56, 64)`` at D 72) are counted once: the kernels zero them in the tail of the resident operand
+    share (``[56, 64)`` at D 72 in split) are counted once: the kernels zero them in the tail of the resident operand
     of each dot that sums over the head dim, and store only the tail's columns past the main tile. (The
     16-wide tail the kernels had before, columns ``[64, 80)`` masked to ``< 72``, computed wrong results on an
     H200 with Triton 3.6 wherever a segment ended inside a key block, though the same kernels were right in
-    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. The split layout
-    has not run on a GPU yet; the padded one is the fallback a device run takes where it is wrong.)"""
+    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. The split layouts
+    have not run on a GPU yet; the padded one is the fallback a device run takes where they are wrong.)"""
+    layout = layout or _head_dim_layout
     if head_dim <= 16:
         return HeadDimTiles(16, 0)
     main = next_power_of_2(head_dim)
-    if main == head_dim or (layout or _head_dim_layout) == "padded":
+    if main == head_dim or layout == "padded":
         return HeadDimTiles(main, 0)
     main //= 2
-    tail = max(16, next_power_of_2(head_dim - main))
+    tail = max(_MIN_TAIL[layout], next_power_of_2(head_dim - main))
     if tail >= main:
         return HeadDimTiles(2 * main, 0)
     return HeadDimTiles(main, tail)
@@ -157,13 +165,13 @@ def segment_class(max_seqlen: int | None) -> str:
 
 
 def tile_key(target: GPUTarget, head_dim: int, dtype: torch.dtype, max_seqlen: int | None) -> str:
-    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``, with ``"/padded"`` appended where the
-    padded head-dim layout is in use and tiles ``head_dim`` otherwise than the split one (tiles measured for one
-    layout say nothing of the other)."""
+    """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``, with the head-dim layout appended
+    (``"/padded"``, ``"/split32"``) where a layout other than split is in use and tiles ``head_dim`` otherwise than
+    split does (tiles measured for one tiling say nothing of another)."""
     dtype_name = str(dtype).removeprefix("torch.")
     key = f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
-    if _head_dim_layout == "padded" and head_dim_tiles(head_dim) != head_dim_tiles(head_dim, "split"):
-        key += "/padded"
+    if head_dim_tiles(head_dim) != head_dim_tiles(head_dim, "split"):
+        key += f"/{_head_dim_layout}"
     return key
 
 

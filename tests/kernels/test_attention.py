@@ -134,6 +134,18 @@ def test_head_dim_tiles_are_a_power_of_two_and_a_flush_tail():
     assert head_dim_tiles(72).width / 72 <= 1.15
 
 
+def test_split32_head_dim_layout_takes_a_tail_of_at_least_32_columns():
+    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
+    tiles = [tuple(head_dim_tiles(d, "split32")) for d in dims]
+    assert tiles == [
+        (16, 0), (16, 0), (32, 0), (64, 0), (64, 0), (64, 32), (64, 32), (64, 32), (128, 0), (128, 32), (256, 0),
+        (256, 0),
+    ]  # fmt: skip
+    for head_dim, (main, tail) in zip(dims, tiles):
+        assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
+    assert head_dim_tiles(72, "split32").width / 72 == 96 / 72 and head_dim_tiles(80, "split32").width / 80 == 1.2
+
+
 def test_padded_head_dim_layout_takes_one_power_of_two_tile():
     dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
     assert [tuple(head_dim_tiles(d, "padded")) for d in dims] == [
@@ -144,7 +156,7 @@ def test_padded_head_dim_layout_takes_one_power_of_two_tile():
 
 def test_head_dim_layout_switch(use_head_dim_layout):
     """The process's layout is the default of head_dim_tiles, the launch configuration's tiling and the tile table's
-    key (a padded entry is its own); anything but the two layouts is refused by name."""
+    key (a padded or split32 entry is its own); anything but the three layouts is refused by name."""
     use_head_dim_layout("split")
     assert head_dim_tiles(72) == (64, 16)
     split_key = attention.tile_key(HOPPER, 72, torch.bfloat16, None)
@@ -156,19 +168,22 @@ def test_head_dim_layout_switch(use_head_dim_layout):
     assert {(c["D_MAIN"], c["D_TAIL"]) for c in backward.values()} == {(128, 0)}
     assert attention.tile_key(HOPPER, 72, torch.bfloat16, None) == split_key + "/padded"
     assert attention.tile_key(HOPPER, 64, torch.bfloat16, None) == "cuda:90/bfloat16/D64/long"  # one layout
-    with pytest.raises(ValueError, match="layout must be one of 'split', 'padded', got 'pad'"):
+    use_head_dim_layout("split32")
+    assert launch_config(72, torch.bfloat16, HOPPER)["D_TAIL"] == 32
+    assert attention.tile_key(HOPPER, 72, torch.bfloat16, None) == split_key + "/split32"
+    with pytest.raises(ValueError, match="layout must be one of 'split', 'split32', 'padded', got 'pad'"):
         attention.set_head_dim_layout("pad")
-    assert attention.head_dim_layout() == "padded"
+    assert attention.head_dim_layout() == "split32"
 
 
-@pytest.mark.parametrize("value, layout", [("padded", "padded"), ("", "split"), ("wide", None)])
+@pytest.mark.parametrize("value, layout", [("padded", "padded"), ("split32", "split32"), ("", "split"), ("wide", None)])
 def test_head_dim_layout_from_the_environment(value, layout):
     code = "import qvl.kernels.attention as a; print(a.head_dim_layout(), a.head_dim_tiles(72))"
     env = {**os.environ, attention.HEAD_DIM_LAYOUT_VARIABLE: value}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     if layout is None:
         assert result.returncode != 0
-        assert "QVL_ATTENTION_HEAD_DIM must be one of 'split', 'padded', got 'wide'" in result.stderr
+        assert "QVL_ATTENTION_HEAD_DIM must be one of 'split', 'split32', 'padded', got 'wide'" in result.stderr
     else:
         assert result.stdout.split()[0] == layout, result.stderr
 

@@ -7,8 +7,9 @@ read as 0, no address faults), which is how a wrong head-dim tail passed here on
 
 Segments end inside key and query blocks ([1, 100, 64, 0, 33]: every tile class of 64- and 128-row tiles), head
 dims 72 (a tail sharing 8 columns with the main tile), 80 (a tail flush with the main tile) and 24 (one tile wider
-than the head), 72 and 80 in the padded head-dim layout too (one 128-wide tile, the fallback of a device run),
-pointer and TMA-descriptor loads, with and without the fused rotary.
+than the head), 72 and 80 in the split32 head-dim layout (32-wide tails sharing 24 and 16 columns with the main
+tile) and in the padded one (one 128-wide tile, the fallback of a device run), pointer and TMA-descriptor loads,
+with and without the fused rotary.
 """
 
 import pytest
@@ -41,7 +42,8 @@ def guarded_inputs(head_dim, dtype, layout, with_positions, seed, device):
 @pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
-    "head_dim, head_dim_layout", [(72, "split"), (80, "split"), (24, "split"), (72, "padded"), (80, "padded")]
+    "head_dim, head_dim_layout",
+    [(72, "split"), (80, "split"), (24, "split"), (72, "split32"), (80, "split32"), (72, "padded"), (80, "padded")],
 )
 def test_forward_and_backward_inside_guard_bands(
     head_dim, head_dim_layout, layout, with_positions, descriptors, device, use_head_dim_layout
