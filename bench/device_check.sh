@@ -17,8 +17,8 @@
 #   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
 #      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls
 #                                                                                           gpu_tests.log
-#   4. compute-sanitizer memcheck of a small attention forward + backward (split layout, and the run's where it
-#      differs), if the tool is there                                                         memcheck.log
+#   4. compute-sanitizer memcheck of a small attention forward + backward (the run's layout, then split where it
+#      differs), if the tool is there                                                          memcheck.log
 #   5. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   6. the plots of the whole run (bench.plot)                                               *.png
