@@ -121,37 +121,38 @@ def test_unusual_head_dims(head_dim):
     assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
 
 
-def test_head_dim_tiles_are_a_power_of_two_and_a_flush_tail():
-    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
-    tiles = [tuple(head_dim_tiles(d)) for d in dims]
-    assert tiles == [
+HEAD_DIMS = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
+TILES = {
+    "split": [
         (16, 0), (16, 0), (32, 0), (32, 16), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0), (128, 16), (256, 0),
         (256, 0),
-    ]  # fmt: skip
-    for head_dim, (main, tail) in zip(dims, tiles):
-        # The tail lies inside the head and covers every column the main tile leaves.
-        assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
-    assert head_dim_tiles(72).width / 72 <= 1.15
-
-
-def test_split32_head_dim_layout_takes_a_tail_of_at_least_32_columns():
-    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
-    tiles = [tuple(head_dim_tiles(d, "split32")) for d in dims]
-    assert tiles == [
+    ],
+    "split32": [
         (16, 0), (16, 0), (32, 0), (64, 0), (64, 0), (64, 32), (64, 32), (64, 32), (128, 0), (128, 32), (256, 0),
         (256, 0),
-    ]  # fmt: skip
-    for head_dim, (main, tail) in zip(dims, tiles):
-        assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
-    assert head_dim_tiles(72, "split32").width / 72 == 96 / 72 and head_dim_tiles(80, "split32").width / 80 == 1.2
-
-
-def test_padded_head_dim_layout_takes_one_power_of_two_tile():
-    dims = (8, 16, 24, 40, 64, 72, 80, 96, 112, 136, 200, 256)
-    assert [tuple(head_dim_tiles(d, "padded")) for d in dims] == [
+    ],
+    "padded": [
         (16, 0), (16, 0), (32, 0), (64, 0), (64, 0), (128, 0), (128, 0), (128, 0), (128, 0), (256, 0), (256, 0),
         (256, 0),
-    ]  # fmt: skip
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", attention.HEAD_DIM_LAYOUTS)
+def test_head_dim_tiles_of_each_layout(layout):
+    """A power of two is one tile in every layout. Otherwise split takes a power-of-two main tile and the narrowest
+    tail (of at least 16 columns) flush with the head's end, split32 a tail of at least 32, padded one tile of the
+    next power of two."""
+    tiles = [tuple(head_dim_tiles(d, layout)) for d in HEAD_DIMS]
+    assert tiles == TILES[layout]
+    for head_dim, (main, tail) in zip(HEAD_DIMS, tiles):
+        # The tail lies inside the head and covers every column the main tile leaves.
+        assert main + tail >= head_dim and (tail == 0 or (head_dim - tail >= 0 and main < head_dim))
+
+
+def test_dot_work_of_the_split_layouts():
+    assert head_dim_tiles(72, "split").width / 72 <= 1.15 and head_dim_tiles(80, "split").width == 80
+    assert head_dim_tiles(72, "split32").width == head_dim_tiles(80, "split32").width == 96
 
 
 def test_head_dim_layout_switch(use_head_dim_layout):
