@@ -132,11 +132,15 @@ def test_random_layouts(lengths, num_heads, head_dim, with_positions, seed):
     assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
 
 
-def test_window_tiles_and_softmax_scale():
-    """The short-segment tiles a ``max_seqlen`` hint of 64 selects, and a softmax scale of the caller's."""
+@pytest.mark.parametrize("head_dim_layout", ["split", "split32"])
+def test_window_tiles_and_softmax_scale(head_dim_layout, use_head_dim_layout):
+    """The short-segment tiles a ``max_seqlen`` hint of 64 selects, and a softmax scale of the caller's, with either
+    width of D 80's tail (16 or 32 columns)."""
+    use_head_dim_layout(head_dim_layout)
     for hint, resident_rows in ((None, 128), (64, 64)):
         config = backward_launch_config(80, torch.float16, hint)
         assert config["dkdv"]["BLOCK_N"] == config["dq"]["BLOCK_M"] == resident_rows
+        assert config["dq"]["D_TAIL"] == (16 if head_dim_layout == "split" else 32)
     lengths = [64, 30, 0, 64]
     q, k, v, cu, grad_out, positions = inputs(lengths, 1, 80, torch.float16, 5, True)
     grads = kernel_gradients(q, k, v, cu, grad_out, max_seqlen=64, softmax_scale=0.2, positions=positions)
