@@ -88,7 +88,8 @@ phase device
 
 # The split head-dim tilings (72 = 64 + 16; split32: 64 + 32) have run in the interpreter only: check them and the
 # padded one on this device first, and run everything after in the layout that agreed (padded, the layout an H200
-# ran right before, when the check finds both split tilings wrong or gives no verdict). --attention and --full check D 80 (Qwen2.5-VL) as well.
+# ran right before, when the check finds both split tilings wrong or gives no verdict). --attention and --full
+# check D 80 (Qwen2.5-VL) as well.
 # A caller who set QVL_ATTENTION_HEAD_DIM (split, split32 or padded: what an earlier run's check chose, e.g. --tower
 # after --attention on the same lease) skips the check and its 100 s.
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
@@ -98,8 +99,8 @@ case "${QVL_ATTENTION_HEAD_DIM:-}" in
     ;;
   *)
     phase "head-dim layout check"
-    # The verdict comes once the split rows are done (about half the time where split agrees; split32's rows come
-    # first where it does not); the padded rows after it are for comparison.
+    # The verdict comes once the split rows are done where split agrees (about half the time), after split32's rows
+    # where it does not; the padded rows after it are for comparison.
     head_dims=(72)
     layout_timeout=100
     case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=160 ;; esac

@@ -167,15 +167,11 @@ def variants(args: argparse.Namespace) -> list[dict]:
 
 def compile_row(variant: dict, layout: str) -> dict:
     """One variant's row: its launch configuration and :func:`inspect`'s columns."""
-    before = attention.head_dim_layout()
-    attention.set_head_dim_layout(variant["head_dim_layout"])
-    try:
+    with attention.head_dim_layout_in(variant["head_dim_layout"]):
         launch = stand_in_launches(
             variant["head_dim"], variant["rope"], layout, variant["dtype"], HOPPER, variant["max_seqlen"],
             variant["tiles"],
         )[-1]  # fmt: skip
-    finally:
-        attention.set_head_dim_layout(before)
     config = launch.kwargs
     row = {
         "head_dim": variant["head_dim"],

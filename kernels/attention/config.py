@@ -11,11 +11,12 @@ checks and the tile sweep (``bench/tune_attention.py``, which writes the tile ta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ __all__ = [
     "HEAD_DIM_LAYOUT_VARIABLE",
     "HeadDimTiles",
     "head_dim_layout",
+    "head_dim_layout_in",
     "head_dim_tiles",
     "heuristic_tiles",
     "kv_descriptors",
@@ -105,6 +107,17 @@ def set_head_dim_layout(layout: str) -> None:
     global _head_dim_layout
     _head_dim_layout = _checked_layout(layout, "layout")
     reload_tile_table()
+
+
+@contextlib.contextmanager
+def head_dim_layout_in(layout: str) -> Iterator[None]:
+    """:func:`set_head_dim_layout` for the ``with`` block; the layout in use before it comes back after it."""
+    before = _head_dim_layout
+    set_head_dim_layout(layout)
+    try:
+        yield
+    finally:
+        set_head_dim_layout(before)
 
 
 def head_dim_tiles(head_dim: int, layout: str | None = None) -> HeadDimTiles:

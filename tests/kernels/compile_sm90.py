@@ -30,12 +30,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.sass_attention import stand_in_launches  # noqa: E402
-from qvl.kernels.attention import (  # noqa: E402
-    head_dim_layout,
-    set_head_dim_layout,
-    vision_attn_backward_launches,
-    vision_attn_launches,
-)
+from qvl.kernels.attention import head_dim_layout_in, vision_attn_backward_launches, vision_attn_launches  # noqa: E402
 from qvl.kernels.common import ADA, HOPPER, compile_launch, shared_memory_per_block  # noqa: E402
 from qvl.kernels.gelu import bias_gelu_backward_launches, bias_gelu_launches  # noqa: E402
 from qvl.kernels.layer_norm import layer_norm_launches, norm_backward_launches, norm_partials  # noqa: E402
@@ -127,14 +122,10 @@ def attention_backward(head_dim, rope=False, dtype=BF16, max_seqlen=None, target
     )
 
 
-def in_head_dim_layout(layout, build):
-    """``build()``'s launches, made with the attention kernels' head-dim layout set to ``layout``."""
-    before = head_dim_layout()
-    set_head_dim_layout(layout)
-    try:
+def in_layout(layout, build):
+    """``build()``'s launches, made in the attention kernels' head-dim layout ``layout``."""
+    with head_dim_layout_in(layout):
         return build()
-    finally:
-        set_head_dim_layout(before)
 
 
 def norm_backward(num_cols, num_params, add):
@@ -221,8 +212,8 @@ VARIANTS = {
     "vision_attn_backward bf16 D=72": lambda: attention_backward(72),
     "vision_attn_backward bf16 D=72 rope": lambda: attention_backward(72, rope=True),
     # The 32-wide head-dim tail a device run falls back to where the 16-wide one is wrong (head_dim_tiles).
-    "vision_attn_with_lse bf16 D=72 split32": lambda: in_head_dim_layout("split32", lambda: attention_with_lse(72)),
-    "vision_attn_backward bf16 D=72 split32": lambda: in_head_dim_layout("split32", lambda: attention_backward(72)),
+    "vision_attn_with_lse bf16 D=72 split32": lambda: in_layout("split32", lambda: attention_with_lse(72)),
+    "vision_attn_backward bf16 D=72 split32": lambda: in_layout("split32", lambda: attention_backward(72)),
     "vision_attn_backward bf16 D=80 windows": lambda: attention_backward(80, max_seqlen=64),
     "vision_attn_backward bf16 D=128": lambda: attention_backward(128),
     "vision_attn_backward bf16 D=256": lambda: attention_backward(256),

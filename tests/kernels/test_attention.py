@@ -175,6 +175,9 @@ def test_head_dim_layout_switch(use_head_dim_layout):
     with pytest.raises(ValueError, match="layout must be one of 'split', 'split32', 'padded', got 'pad'"):
         attention.set_head_dim_layout("pad")
     assert attention.head_dim_layout() == "split32"
+    with attention.head_dim_layout_in("padded"):
+        assert head_dim_tiles(72) == (128, 0)
+    assert attention.head_dim_layout() == "split32"
 
 
 @pytest.mark.parametrize("value, layout", [("padded", "padded"), ("split32", "split32"), ("", "split"), ("wide", None)])
