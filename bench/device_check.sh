@@ -2,50 +2,55 @@
 # The one prepared call for a lent GPU machine: bash bench/device_check.sh [--attention | --tower | --full]
 #
 # Nothing is installed there (no network): the repository's kernels/ and vit/ go on PYTHONPATH as the qvl package.
-# Every step runs under its own timeout, so that one hang cannot spend the lease.
+# Every step runs under its own timeout, so that one hang cannot spend the lease, and every mode under a budget for
+# the whole call (DEVICE_CHECK_BUDGET_S overrides it): --attention and --tower 300 s each, so that both fit one
+# 15-minute lease with its start; the default 420 s. Each step's timeout is its cap or what the budget leaves after
+# the floors kept back for the steps after it, whichever is less (run_plan below).
 #
-# default (at most about 9.5 minutes: a 15-minute lease holds one call and its start; the focused modes are shorter):
-#   1. device, driver, versions, commit                                                   device.txt
+# default (both issues' quick cases):
+#   1. device, driver, versions, commit, mode and budget                                  device.txt
 #   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split tiling of D 72, and D 80 with
 #      --attention/--full, against float64, split32 where split disagreed, and the padded one; the rope forward
 #      timed in each that agreed); every later step runs in the layout it prints (QVL_ATTENTION_HEAD_DIM: split or
 #      split32 where it agreed, else padded). Skipped where the caller set QVL_ATTENTION_HEAD_DIM=split|split32|padded
 #      (an earlier run's verdict, the later steps run in that one)
 #                                                                         head_dim.log, head_dim.json, device.txt
-#   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35); it writes
-#      kernels/attention_tiles.json, which the tests and benchmarks after it then use  tune.log, attention_tiles.json
+#   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35, less when the
+#      budget is short); it writes kernels/attention_tiles.json, which the tests and benchmarks after it then use
+#                                                                                       tune.log, attention_tiles.json
 #   3. CUDA tests: bf16 correctness (TMA descriptor loads included), the sync-free forward
-#      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls
-#                                                                                           gpu_tests.log
-#   4. compute-sanitizer memcheck of a small attention forward + backward (the run's layout, then split where it
-#      differs), if the tool is there                                                          memcheck.log
-#   5. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
+#      (set_sync_debug_mode("error")), CUDA-graph capture and replay, int64 offsets, peak memory, the direct calls;
+#      beside them, compute-sanitizer memcheck of a small attention forward + backward (the run's layout, then split
+#      where it differs), if the tool is there                                          gpu_tests.log, memcheck.log
+#   4. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
-#   6. the plots of the whole run (bench.plot)                                               *.png
-#   7. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
-# --attention (about 8.5 minutes; issue 30): 1-4 for attention alone (its tests, guard bands on the device included),
-#   then the attention forward and forward + backward benchmarks (flex_attention left out: it compiles per shape)
-#   and Qwen2.5-VL's window attention.
-# --tower (about 8.5 minutes; issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches,
-#   the direct calls), then most wanted first: host time per op, the whole tower (eager, replayed, transformers +
-#   SDPA eager), the bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports,
-#   writes nothing; tune_rows.log, tune_rows.json), rotary, the position table.
-#   No attention tile sweep, no memcheck.
+#   5. the plots of the whole run (bench.plot)                                               *.png
+#   6. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
+# --attention (issue 30): 1-3 for attention alone (its tests, guard bands on the device included), then the attention
+#   forward and forward + backward benchmarks (flex_attention left out: it compiles per shape) and Qwen2.5-VL's
+#   window attention.
+# --tower (issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches, the direct calls),
+#   then most wanted first: host time per op, the whole tower (eager, replayed, transformers + SDPA eager), the
+#   bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports, writes nothing;
+#   tune_rows.log, tune_rows.json), rotary, the position table. No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
-# Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start (seconds into the call) to phases.txt
-# there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
+# Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start and limit (seconds into the call) to
+# phases.txt there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
 # $OUT/run-<date>.tar.gz, with device.txt and the logs' ends beside it, after every step: a run cut short by the
 # tool's limit still brings back the steps it finished, and a benchmark cut by its timeout the rows it measured
 # (printed, and saved in its JSON noted as cut short).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 quick=--quick
 mode="${1:-}"
-[ "$mode" = "--full" ] && quick=
 case "$mode" in
-  ""|--full|--attention|--tower) ;;
+  "") budget_s=420 ;;
+  --attention|--tower) budget_s=300 ;;
+  --full) budget_s=3600 quick= ;;
   *) echo "usage: bash bench/device_check.sh [--attention | --tower | --full]" >&2; exit 2 ;;
 esac
+budget_s="${DEVICE_CHECK_BUDGET_S:-$budget_s}"
+[[ "$budget_s" =~ ^[0-9]+$ ]] || { echo "DEVICE_CHECK_BUDGET_S must be a whole number of seconds" >&2; exit 2; }
 bench_stamp="$(date -u +%Y%m%d-%H%M%S)"
 stamp="run-${bench_stamp%??}"
 out="bench/results/$stamp"
@@ -61,20 +66,55 @@ ship() {
   for log in head_dim gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
   return 0
 }
-# Each step's start, also kept in phases.txt: what each one took on the device, for sizing the timeouts.
-phase() { echo "=== $1 (at $((SECONDS - started)) s)" | tee -a "$out/phases.txt"; ship; }
-# bench NAME SECONDS [ARGS...]: one benchmark module under its own timeout, appending to bench.log, so that a slow one
-# cannot starve those after it (each prints its rows as it measures them: a cut one keeps what it finished).
-bench() {
-  local name="$1" seconds="$2"
+# phase NAME [LIMIT]: each step's start and time limit, also kept in phases.txt (what each took on the device: what
+# sizes the plans below for the next run).
+phase() {
+  echo "=== $1 (at $((SECONDS - started)) s${2:+, up to $2 s})" | tee -a "$out/phases.txt"
+  ship
+}
+
+# run_plan "FUNCTION CAP FLOOR [WORD...]"...: each step in turn, called as FUNCTION LIMIT [WORD...]. A step's limit
+# is its CAP, or less where the run's budget (budget_s) minus the time spent leaves no more once the FLOORs of the
+# steps after it are kept back; a step whose limit comes out under MIN_STEP_S is skipped. So the call ends within
+# its budget whatever the device takes, a slow step costs the later ones their slack and never their floors, and a
+# fast one leaves its time to them.
+MIN_STEP_S=5
+run_plan() {
+  local entry step cap floor words reserve=0 limit
+  for entry in "$@"; do
+    read -r step cap floor words <<< "$entry"
+    reserve=$((reserve + floor))
+  done
+  for entry in "$@"; do
+    read -r step cap floor words <<< "$entry"
+    reserve=$((reserve - floor))
+    limit=$((budget_s - (SECONDS - started) - reserve))
+    ((limit > cap)) && limit=$cap
+    if ((limit < MIN_STEP_S)); then
+      echo "=== $step skipped: the run's ${budget_s}-s budget is spent (at $((SECONDS - started)) s)" \
+        | tee -a "$out/phases.txt"
+      [ "$step" = layout_check ] && set_layout padded "the budget left bench.head_dim_check no time"
+      continue
+    fi
+    # shellcheck disable=SC2086
+    "$step" "$limit" $words
+  done
+}
+
+# bench_module SECONDS NAME [ARGS...]: one benchmark module under its own timeout, appending to bench.log, so that a
+# slow one cannot starve those after it (each prints its rows as it measures them: a cut one keeps what it finished).
+bench_module() {
+  local seconds="$1" name="$2"
   shift 2
-  phase "benchmark $name"
-  timeout -k 15 "$seconds" python3 -m bench $quick --dtype bf16 --json-dir "$out" --stamp "$bench_stamp" --only "$name" \
+  phase "benchmark $name" "$seconds"
+  timeout -k 5 "$seconds" python3 -m bench $quick --dtype bf16 --json-dir "$out" --stamp "$bench_stamp" --only "$name" \
     "$@" 2>&1 | tee -a "$out/bench.log" | tail -40
 }
 : > "$out/bench.log"
 # Compiling qvl's and transformers' towers takes minutes: only --full times them.
-compiled_towers=(--skip "qvl compiled,hf sdpa compiled")
+tower_eager() { bench_module "$1" tower --skip "qvl compiled,hf sdpa compiled"; }
+# flex_attention compiles per shape: the focused attention call leaves it out.
+attention_no_flex() { bench_module "$1" "$2" --skip flex_attention; }
 
 phase device
 {
@@ -84,6 +124,7 @@ phase device
 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
   # The tool's copy carries the working tree; its .git can lag behind it, so say when the files differ from HEAD.
   echo "HEAD $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree differs)')"
+  echo "mode: ${mode:-default}, budget ${budget_s} s"
 } 2>&1 | tee "$out/device.txt"
 
 # The split head-dim tilings (72 = 64 + 16; split32: 64 + 32) have run in the interpreter only: check them and the
@@ -91,52 +132,64 @@ phase device
 # ran right before, when the check finds both split tilings wrong or gives no verdict). --attention and --full
 # check D 80 (Qwen2.5-VL) as well.
 # A caller who set QVL_ATTENTION_HEAD_DIM (split, split32 or padded: what an earlier run's check chose, e.g. --tower
-# after --attention on the same lease) skips the check and its 100 s.
+# after --attention on the same lease) skips the check.
+set_layout() {
+  export QVL_ATTENTION_HEAD_DIM="$1"
+  echo "attention head-dim layout: $1 ($2)" | tee -a "$out/device.txt"
+}
+layout_check() {
+  phase "head-dim layout check" "$1"
+  # The verdict comes once the split rows are done where split agrees (about half the time), after split32's rows
+  # where it does not; the padded rows after it are for comparison. The check itself runs in no preset layout.
+  local head_dims=(72) layout
+  case "$mode" in --attention|--full) head_dims=(72 80) ;; esac
+  env -u QVL_ATTENTION_HEAD_DIM timeout -k 5 "$1" python3 -m bench.head_dim_check --head-dims "${head_dims[@]}" \
+    --json "$out/head_dim.json" 2>&1 | tee "$out/head_dim.log" | tail -8
+  layout="$(sed -n 's/^head-dim layout: //p' "$out/head_dim.log" | tail -1)"
+  if [ -n "$layout" ]; then
+    set_layout "$layout" "chosen by bench.head_dim_check"
+  else
+    set_layout padded "bench.head_dim_check gave no verdict"
+  fi
+}
+plan=()
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
   split|split32|padded)
-    layout="$QVL_ATTENTION_HEAD_DIM"
-    verdict="given by the caller: QVL_ATTENTION_HEAD_DIM, no check in this run"
+    set_layout "$QVL_ATTENTION_HEAD_DIM" "given by the caller: QVL_ATTENTION_HEAD_DIM, no check in this run"
     ;;
   *)
-    phase "head-dim layout check"
-    # The verdict comes once the split rows are done where split agrees (about half the time), after split32's rows
-    # where it does not; the padded rows after it are for comparison.
-    head_dims=(72)
-    layout_timeout=100
-    case "$mode" in --attention|--full) head_dims=(72 80) layout_timeout=160 ;; esac
-    timeout -k 10 "$layout_timeout" python3 -m bench.head_dim_check --head-dims "${head_dims[@]}" \
-      --json "$out/head_dim.json" 2>&1 | tee "$out/head_dim.log" | tail -8
-    layout="$(sed -n 's/^head-dim layout: //p' "$out/head_dim.log" | tail -1)"
-    verdict="chosen by bench.head_dim_check"
-    [ -n "$layout" ] || { layout=padded; verdict="bench.head_dim_check gave no verdict"; }
+    # Padded until the check chooses (what the steps run in should the budget leave the check no time).
+    export QVL_ATTENTION_HEAD_DIM=padded
+    case "$mode" in
+      --attention) plan=("layout_check 160 60") ;;
+      --full) plan=("layout_check 160 160") ;;
+      *) plan=("layout_check 100 50") ;;
+    esac
     ;;
 esac
-export QVL_ATTENTION_HEAD_DIM="$layout"
-echo "attention head-dim layout: $layout ($verdict)" | tee -a "$out/device.txt"
 
 tower_tests() {
-  phase "CUDA tests"
-  timeout 75 python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
+  phase "CUDA tests" "$1"
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
     tests/kernels/test_fast_launch.py tests/vit/test_graphs.py tests/vit/test_model.py \
     -k "cuda or gpu or direct" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 }
 
-kernel_checks() {
-  phase "tile sweep"
-  timeout 55 python3 -m bench.tune_attention --budget-s "${TUNE_BUDGET_S:-35}" 2>&1 | tee "$out/tune.log" | tail -12
+tile_sweep() {
+  phase "tile sweep" "$1"
+  # The sweep stops starting candidates at its budget; starting the processes and writing the table take the rest.
+  local sweep_s=$(($1 - 20))
+  ((sweep_s > ${TUNE_BUDGET_S:-35})) && sweep_s=${TUNE_BUDGET_S:-35}
+  timeout "$1" python3 -m bench.tune_attention --budget-s "$sweep_s" 2>&1 | tee "$out/tune.log" | tail -12
   cp kernels/attention_tiles.json "$out/attention_tiles.json"
+}
 
-  phase "CUDA tests"
-  tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
-  [ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
-  # shellcheck disable=SC2086
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
-    -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
-    | tee "$out/gpu_tests.log" | tail -15
-
-  phase memcheck
-  if command -v compute-sanitizer >/dev/null; then
-    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'EOF' 2>&1 | tee "$out/memcheck.log" | tail -6
+memcheck() {
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer not found: skipped"
+    return 0
+  fi
+  timeout "$1" compute-sanitizer --tool memcheck --error-exitcode 1 python3 - <<'PY'
 import os
 import torch
 import qvl.kernels  # noqa: F401
@@ -160,56 +213,62 @@ for layout in layouts:
 torch.cuda.synchronize()
 print(f"memcheck cases ran: vision_attn forward + backward with and without rope, bf16, D 72/80/64, both tile hints,"
       f" head-dim layouts {layouts}")
-EOF
-  else
-    echo "compute-sanitizer not found: skipped" | tee "$out/memcheck.log"
-  fi
+PY
 }
 
-if [ "$mode" = "--tower" ]; then
-  tower_tests
-  bench host 40
-  bench tower 120 "${compiled_towers[@]}"
-  bench merger 50
-  phase "bandwidth-kernel sweep"
-  timeout 75 python3 -m bench.tune_rows --budget-s 50 --json "$out/tune_rows.json" 2>&1 | tee "$out/tune_rows.log" \
-    | tail -60
-  bench rotary 20
-  bench pos_embed 20
-elif [ "$mode" = "--attention" ]; then
-  kernel_checks
-  bench attention 90 --skip flex_attention
-  bench attention_backward 60 --skip flex_attention
-  bench window 30
-elif [ "$mode" = "--full" ]; then
-  kernel_checks
-  # The long cases and the compiled towers: longer than a 15-minute lease holds with a rerun.
-  bench host 60
-  bench attention 240
-  bench tower 600
-  bench merger 120
-  bench pos_embed 60
-  bench rotary 60
-  bench attention_backward 240
-  bench window 120
-else
-  kernel_checks
-  bench host 20
-  bench attention 40
-  bench tower 60 "${compiled_towers[@]}"
-  bench merger 30
-  bench pos_embed 15
-  bench rotary 15
-  bench attention_backward 30
-  bench window 25
-fi
-phase plots  # one figure set of the whole run (each call above drew its own modules' only)
-timeout 20 python3 -m bench.plot "$out" 2>&1 | tail -5
-phase goals
+# The CUDA tests and memcheck check results, time nothing: they run side by side (memcheck in its own process).
+kernel_tests() {
+  phase "CUDA tests and memcheck" "$1"
+  memcheck "$1" > "$out/memcheck.log" 2>&1 &
+  local memcheck_pid=$!
+  local tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
+  [ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
+  # shellcheck disable=SC2086
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
+    -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
+    | tee "$out/gpu_tests.log" | tail -15
+  wait "$memcheck_pid"
+  tail -6 "$out/memcheck.log"
+}
+
+rows_sweep() {
+  phase "bandwidth-kernel sweep" "$1"
+  timeout "$1" python3 -m bench.tune_rows --budget-s $(($1 - 25)) --json "$out/tune_rows.json" 2>&1 \
+    | tee "$out/tune_rows.log" | tail -60
+}
+
+plots() {
+  phase plots "$1" # one figure set of the whole run (each benchmark call drew its own modules' only)
+  timeout "$1" python3 -m bench.plot "$out" 2>&1 | tail -5
+}
+
+goals() {
+  phase goals "$1"
+  local issue=()
+  case "$mode" in
+    --attention) issue=(--issue 30) ;;
+    --tower) issue=(--issue 31) ;;
+  esac
+  timeout "$1" python3 -m bench.goals "$out" "${issue[@]}" 2>&1 | tee "$out/goals.txt"
+}
+
+# Each mode's steps after the layout check, most wanted first: "FUNCTION CAP FLOOR [WORDS]" (run_plan).
 case "$mode" in
-  --attention) issue=(--issue 30) ;;
-  --tower) issue=(--issue 31) ;;
-  *) issue=() ;;
+  --tower) plan+=(
+    "tower_tests 75 35" "bench_module 40 20 host" "tower_eager 120 50" "bench_module 50 20 merger"
+    "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
+  --attention) plan+=(
+    "tile_sweep 55 25" "kernel_tests 90 40" "attention_no_flex 90 40 attention"
+    "attention_no_flex 60 25 attention_backward" "bench_module 30 15 window" ) ;;
+  --full) plan+=(
+    # The long cases and the compiled towers: longer than a 15-minute lease holds with a rerun.
+    "tile_sweep 55 55" "kernel_tests 90 90" "bench_module 60 60 host" "bench_module 240 240 attention"
+    "bench_module 600 600 tower" "bench_module 120 120 merger" "bench_module 60 60 pos_embed"
+    "bench_module 60 60 rotary" "bench_module 240 240 attention_backward" "bench_module 120 120 window" ) ;;
+  *) plan+=(
+    "tile_sweep 55 25" "kernel_tests 90 40" "bench_module 20 15 host" "bench_module 40 25 attention"
+    "tower_eager 60 40" "bench_module 30 15 merger" "bench_module 15 10 pos_embed" "bench_module 15 10 rotary"
+    "bench_module 30 15 attention_backward" "bench_module 25 15 window" ) ;;
 esac
-timeout 20 python3 -m bench.goals "$out" "${issue[@]}" 2>&1 | tee "$out/goals.txt"
-phase done
+run_plan "${plan[@]}" "plots 20 10" "goals 20 10"
+phase "done"

@@ -1,9 +1,11 @@
 """bench/device_check.sh, the one prepared call of a GPU lease, run here with stand-ins for python3, nvidia-smi and
 compute-sanitizer on PATH: every mode's steps in order, the head-dim layout its first check prints exported to every
-later step (padded without a verdict), and at most 8 files shipped to the device tool's $OUT. What the steps measure
-needs the GPU; that the script runs them, in this order, with this layout, does not."""
+later step (padded without a verdict), every step's time limit within the call's budget, and at most 8 files shipped
+to the device tool's $OUT. What the steps measure needs the GPU; that the script runs them, in this order, with this
+layout and these limits, does not."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PYTHON3 = """#!/usr/bin/env bash
 echo "$* | ${QVL_ATTENTION_HEAD_DIM:-unset}" >> "$CALLS"
+[ -n "$HANG_ON" ] && case "$*" in *"$HANG_ON"*) exec sleep 600 ;; esac
 case "$*" in
   *bench.head_dim_check*) [ -n "$FAKE_VERDICT" ] && echo "head-dim layout: $FAKE_VERDICT" ;;
   -) cat > /dev/null ;;
@@ -24,9 +27,12 @@ NVIDIA_SMI = '#!/usr/bin/env bash\necho "Stand-in GPU, 0.0, 1 MiB, 1 MHz"\n'
 SANITIZER = '#!/usr/bin/env bash\necho "compute-sanitizer | $QVL_ATTENTION_HEAD_DIM" >> "$CALLS"\nshift 4\n"$@"\n'
 
 
-def run_script(tmp_path: Path, mode: str, verdict: str, preset: str = "") -> tuple[list[str], Path, Path]:
+def run_script(
+    tmp_path: Path, mode: str, verdict: str, preset: str = "", budget_s: int | None = None, hang_on: str = ""
+) -> tuple[list[str], Path, Path]:
     """The script's python3 calls (``arguments | layout``), its run folder and the tool's $OUT; ``preset``: the
-    caller's QVL_ATTENTION_HEAD_DIM (none by default)."""
+    caller's QVL_ATTENTION_HEAD_DIM (none by default); ``budget_s``: DEVICE_CHECK_BUDGET_S (the mode's own by
+    default); ``hang_on``: the python3 call containing this string hangs until its timeout kills it."""
     tree, tools, out = tmp_path / "tree", tmp_path / "bin", tmp_path / "out"
     (tree / "bench").mkdir(parents=True)
     shutil.copy(ROOT / "bench" / "device_check.sh", tree / "bench")
@@ -39,8 +45,11 @@ def run_script(tmp_path: Path, mode: str, verdict: str, preset: str = "") -> tup
         (tools / name).chmod(0o755)
     calls = tmp_path / "calls.log"
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "CALLS": str(calls), "FAKE_VERDICT": verdict}
-    env.update(OUT=str(out))
+    env.update(OUT=str(out), HANG_ON=hang_on)
     env.pop("QVL_ATTENTION_HEAD_DIM", None)
+    env.pop("DEVICE_CHECK_BUDGET_S", None)
+    if budget_s is not None:
+        env["DEVICE_CHECK_BUDGET_S"] = str(budget_s)
     if preset:
         env["QVL_ATTENTION_HEAD_DIM"] = preset
     result = subprocess.run(
@@ -50,6 +59,20 @@ def run_script(tmp_path: Path, mode: str, verdict: str, preset: str = "") -> tup
     assert result.returncode == 0, result.stderr
     (run,) = (tree / "bench" / "results").iterdir()
     return calls.read_text().splitlines(), run, out
+
+
+def phases(run: Path) -> list[tuple[str, int, int | None]]:
+    """phases.txt as (step, seconds into the call at its start, its time limit or None); skipped steps left out."""
+    rows = []
+    for line in (run / "phases.txt").read_text().splitlines():
+        match = re.fullmatch(r"=== (.+) \(at (\d+) s(?:, up to (\d+) s)?\)", line)
+        if match:
+            rows.append((match[1], int(match[2]), int(match[3]) if match[3] else None))
+    return rows
+
+
+def skipped(run: Path) -> list[str]:
+    return [line for line in (run / "phases.txt").read_text().splitlines() if " skipped: " in line]
 
 
 @pytest.mark.parametrize("mode", ["", "--attention", "--tower"])
@@ -107,3 +130,63 @@ def test_a_layout_the_caller_set_skips_the_check(tmp_path, preset):
 def test_unknown_mode_is_refused(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh"), "--fast"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage: bash bench/device_check.sh" in result.stderr
+
+
+@pytest.mark.parametrize("mode, budget_s", [("", 420), ("--attention", 300), ("--tower", 300)])
+def test_every_step_ends_within_the_calls_budget(tmp_path, mode, budget_s):
+    """Each mode's own budget (--attention and --tower fit one lease together, issue 30 item 5): no step's limit
+    reaches past it, and with steps this fast none is skipped."""
+    calls, run, _ = run_script(tmp_path, mode, "split")
+    assert f"mode: {mode or 'default'}, budget {budget_s} s" in (run / "device.txt").read_text()
+    limited = [(step, at, limit) for step, at, limit in phases(run) if limit is not None]
+    assert len(limited) >= 6 and not skipped(run)
+    assert all(at + limit <= budget_s for _, at, limit in limited), limited
+
+
+def test_a_short_budget_cuts_the_first_step_before_the_later_ones_floors(tmp_path):
+    """With 240 s for --attention the layout check gets less than its cap (what the budget keeps back for the steps
+    after it is not its to spend), the later steps still their caps while the earlier ones are quick."""
+    _, run, _ = run_script(tmp_path, "--attention", "split", budget_s=240)
+    (check, at, limit), (sweep, _, sweep_limit) = phases(run)[1:3]
+    assert check == "head-dim layout check" and 60 <= limit < 160, (at, limit)
+    assert sweep == "tile sweep" and sweep_limit == 55
+    assert all(at + limit <= 240 for _, at, limit in phases(run) if limit is not None)
+
+
+def test_a_hanging_step_is_cut_and_the_later_steps_keep_their_floors(tmp_path):
+    """The layout check hangs: its timeout ends it (the run goes on padded, no verdict), every later step still runs
+    within the budget, and the tile sweep's own budget shrinks with its limit."""
+    calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=180, hang_on="bench.head_dim_check")
+    rows = phases(run)
+    check = next(row for row in rows if row[0] == "head-dim layout check")
+    assert check[2] <= 20, check
+    assert (run / "device.txt").read_text().splitlines()[-1] == (
+        "attention head-dim layout: padded (bench.head_dim_check gave no verdict)"
+    )
+    assert not skipped(run)
+    names = [step for step, _, _ in rows]
+    for step in ("tile sweep", "CUDA tests and memcheck", "benchmark attention", "benchmark attention_backward",
+                 "benchmark window", "plots", "goals"):  # fmt: skip
+        assert step in names, names
+    assert all(at + limit <= 180 for _, at, limit in rows if limit is not None), rows
+    sweep_limit = next(limit for step, _, limit in rows if step == "tile sweep")
+    (sweep_call,) = [call for call in calls if "bench.tune_attention" in call]
+    assert f"--budget-s {min(35, sweep_limit - 20)} " in sweep_call, (sweep_limit, sweep_call)
+
+
+def test_no_budget_skips_every_step_and_says_so(tmp_path):
+    calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=0)
+    assert len(calls) == 1 and calls[0].startswith("-c import torch, triton, transformers")
+    assert (run / "device.txt").read_text().splitlines()[-1] == (
+        "attention head-dim layout: padded (the budget left bench.head_dim_check no time)"
+    )
+    steps = [line.split()[1] for line in skipped(run)]
+    assert steps[0] == "layout_check" and steps[-2:] == ["plots", "goals"] and len(steps) == 8, steps
+
+
+def test_a_budget_that_is_not_seconds_is_refused(tmp_path):
+    env = {**os.environ, "DEVICE_CHECK_BUDGET_S": "5m"}
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tower"], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 2 and "DEVICE_CHECK_BUDGET_S must be a whole number of seconds" in result.stderr
