@@ -145,10 +145,15 @@ class TowerOutputs(NamedTuple):
     deepstack: list[torch.Tensor]
 
 
+# Host work in numpy: under a caller's torch.compile it runs as it is (one graph break) instead of Dynamo turning
+# the numpy into a CPU Inductor kernel, which costs compile time and, under torch 2.11 with dynamic shapes, died of
+# SIGFPE (an integer division over the vectorized tail's zero-filled lanes).
+@torch.compiler.disable(reason="the vision tower's host metadata (numpy)")
 def build_tower_metadata(grid_thw, config: TowerConfig, device=None) -> VisionMetadata:
     """The host metadata of one batch for a tower of ``config``: :func:`build_metadata` (with the interpolation
     plan where the tower has a position table) and, for a windowed tower, its window layout, the rotary positions
-    then permuted into window order. Moved to ``device`` once; never reads a device tensor."""
+    then permuted into window order. Moved to ``device`` once; never reads a device tensor. Not traced by
+    torch.compile: a compiled caller runs it eagerly."""
     merge = config.spatial_merge_size
     device = torch.device("cpu") if device is None else torch.device(device)
     if not config.windowed:

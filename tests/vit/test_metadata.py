@@ -234,3 +234,25 @@ def test_without_a_position_table():
     torch.testing.assert_close(without.positions, with_table.positions, rtol=0, atol=0)
     torch.testing.assert_close(without.cu_seqlens, with_table.cu_seqlens, rtol=0, atol=0)
     assert without.to("cpu").interp_indices is None
+
+
+def test_a_compiled_caller_builds_the_tower_metadata_eagerly():
+    """The runner's host metadata is numpy: under a caller's torch.compile it runs as it is, never as an Inductor
+    kernel (whose CPU code for it died of SIGFPE under torch 2.11 with dynamic shapes). What Dynamo compiles is at
+    most the caller's own add (traced, the metadata came to 147 ops in 21 frames)."""
+    from torch._dynamo.testing import CompileCounter
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    from qvl.vit.families import config_from_hf
+    from qvl.vit.runner import build_tower_metadata
+
+    config = config_from_hf(Qwen3VLVisionConfig())[1]
+    counter = CompileCounter()
+
+    def caller(grid: torch.Tensor) -> torch.Tensor:
+        return build_tower_metadata(grid, config).cu_seqlens + 1
+
+    grid = torch.tensor([[1, 4, 6], [2, 2, 2]])
+    got = torch.compile(caller, backend=counter, dynamic=True)(grid)
+    torch.testing.assert_close(got, build_metadata(grid, 2, config.num_grid_per_side).cu_seqlens + 1)
+    assert counter.op_count <= 1, (counter.op_count, counter.frame_count)
