@@ -180,6 +180,7 @@ tile_sweep() {
   # The sweep stops starting candidates at its budget; starting the processes and writing the table take the rest.
   local sweep_s=$(($1 - 20))
   ((sweep_s > ${TUNE_BUDGET_S:-35})) && sweep_s=${TUNE_BUDGET_S:-35}
+  ((sweep_s < 1)) && sweep_s=1
   timeout "$1" python3 -m bench.tune_attention --budget-s "$sweep_s" 2>&1 | tee "$out/tune.log" | tail -12
   cp kernels/attention_tiles.json "$out/attention_tiles.json"
 }
@@ -233,7 +234,10 @@ kernel_tests() {
 
 rows_sweep() {
   phase "bandwidth-kernel sweep" "$1"
-  timeout "$1" python3 -m bench.tune_rows --budget-s $(($1 - 25)) --json "$out/tune_rows.json" 2>&1 \
+  # As the tile sweep: its budget for candidates, the rest for starting and writing.
+  local sweep_s=$(($1 - 25))
+  ((sweep_s < 1)) && sweep_s=1
+  timeout "$1" python3 -m bench.tune_rows --budget-s "$sweep_s" --json "$out/tune_rows.json" 2>&1 \
     | tee "$out/tune_rows.log" | tail -60
 }
 

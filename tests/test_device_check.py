@@ -190,3 +190,16 @@ def test_a_budget_that_is_not_seconds_is_refused(tmp_path):
         ["bash", str(ROOT / "bench" / "device_check.sh"), "--tower"], capture_output=True, text=True, env=env
     )
     assert result.returncode == 2 and "DEVICE_CHECK_BUDGET_S must be a whole number of seconds" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "mode, preset, budget_s, sweep",
+    [("--attention", "", 150, "bench.tune_attention"), ("--tower", "split", 60, "bench.tune_rows")],
+)
+def test_a_sweep_left_less_than_its_overhead_still_gets_a_budget(tmp_path, mode, preset, budget_s, sweep):
+    """A budget below the floors (steps skipped before the sweep): the sweep's limit is under its start-up
+    allowance, and its own budget stays one second, not negative."""
+    calls, run, _ = run_script(tmp_path, mode, "split", preset=preset, budget_s=budget_s)
+    assert skipped(run)
+    (call,) = [call for call in calls if sweep in call]
+    assert "--budget-s 1 " in call, call
