@@ -75,9 +75,9 @@ phase() {
 
 # run_plan "FUNCTION CAP FLOOR [WORD...]"...: each step in turn, called as FUNCTION LIMIT [WORD...]. A step's limit
 # is its CAP, or less where the run's budget (budget_s) minus the time spent leaves no more once the FLOORs of the
-# steps after it are kept back; a step whose limit comes out under MIN_STEP_S is skipped. So the call ends within
-# its budget whatever the device takes, a slow step costs the later ones their slack and never their floors, and a
-# fast one leaves its time to them.
+# steps after it are kept back; a step whose limit comes out under MIN_STEP_S is skipped (and FUNCTION_skipped
+# called, where defined). So the call ends within its budget whatever the device takes, a slow step costs the later
+# ones their slack and never their floors, and a fast one leaves its time to them.
 MIN_STEP_S=5
 run_plan() {
   local entry step cap floor words reserve=0 limit
@@ -93,7 +93,7 @@ run_plan() {
     if ((limit < MIN_STEP_S)); then
       echo "=== $step skipped: the run's ${budget_s}-s budget is spent (at $((SECONDS - started)) s)" \
         | tee -a "$out/phases.txt"
-      [ "$step" = layout_check ] && set_layout padded "the budget left bench.head_dim_check no time"
+      if declare -F "${step}_skipped" >/dev/null; then "${step}_skipped"; fi
       continue
     fi
     # shellcheck disable=SC2086
@@ -152,6 +152,7 @@ layout_check() {
     set_layout padded "bench.head_dim_check gave no verdict"
   fi
 }
+layout_check_skipped() { set_layout padded "the budget left bench.head_dim_check no time"; }
 plan=()
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
   split|split32|padded)

@@ -8,13 +8,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounter
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
     get_vision_interpolation_indices_and_weights,
     get_vision_position_ids,
 )
 
+from qvl.vit.families import config_from_hf
 from qvl.vit.metadata import VisionMetadata, build_metadata
+from qvl.vit.runner import build_tower_metadata
 
 GRIDS = [
     [(1, 2, 2)],
@@ -240,12 +244,6 @@ def test_a_compiled_caller_builds_the_tower_metadata_eagerly():
     """The runner's host metadata is numpy: under a caller's torch.compile it runs as it is, never as an Inductor
     kernel (whose CPU code for it died of SIGFPE under torch 2.11 with dynamic shapes). What Dynamo compiles is at
     most the caller's own add (traced, the metadata came to 147 ops in 21 frames)."""
-    from torch._dynamo.testing import CompileCounter
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-
-    from qvl.vit.families import config_from_hf
-    from qvl.vit.runner import build_tower_metadata
-
     config = config_from_hf(Qwen3VLVisionConfig())[1]
     counter = CompileCounter()
 
