@@ -177,8 +177,11 @@ def set_value_checks(enabled: bool) -> None:
 
 
 def value_checks_enabled(device: torch.device) -> bool:
-    """Whether value checks run for inputs on ``device`` (always on CPU, opt-in on CUDA)."""
-    return device.type == "cpu" or _value_checks
+    """Whether value checks run for inputs on ``device`` (always on CPU, opt-in on CUDA, never while a CUDA graph
+    is being captured: their device-to-host sync would break the capture)."""
+    if device.type == "cpu":
+        return True
+    return _value_checks and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
@@ -566,12 +569,15 @@ def check_same_device(op: str, named: dict[str, torch.Tensor]) -> None:
 def check_cu_seqlens(
     op: str, cu_seqlens: object, num_tokens: int, device: torch.device, read_values: bool = True
 ) -> None:
-    """``cu_seqlens``: int32, 1-D, at least one entry, on ``device``; values checked when ``read_values``
-    and value checks are enabled for the device (fake implementations pass ``read_values=False``)."""
+    """``cu_seqlens``: int32, 1-D, contiguous, at least one entry, on ``device``; values checked when
+    ``read_values`` and value checks are enabled for the device (fake implementations pass ``read_values=False``)."""
     check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32,))
     assert isinstance(cu_seqlens, torch.Tensor)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{op}: cu_seqlens must hold at least one entry (0), got an empty tensor")
+    if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:
+        # The kernels' segment search reads entry i at cu_seqlens + i.
+        raise ValueError(f"{op}: cu_seqlens must be contiguous, got stride {cu_seqlens.stride(0)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{op}: cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if not (read_values and value_checks_enabled(device)):

@@ -187,7 +187,7 @@ def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximat
     num_rows, num_cols = x.shape
     if x.numel() == 0:
         return []
-    config = epilogue_backward_config(num_rows, num_cols, target)
+    config = epilogue_backward_config(num_rows, num_cols)
     grid = (config.pop("programs"), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(
         # pointers
@@ -379,7 +379,7 @@ def bias_gelu_backward(
     # With no rows nothing is launched and the bias gradient is zeros.
     dbias = torch.empty_like(bias) if x.shape[0] else torch.zeros_like(bias)
     target = device_target(x.device)
-    programs = epilogue_backward_config(x.shape[0], x.shape[1], target)["programs"]
+    programs = epilogue_backward_config(x.shape[0], x.shape[1])["programs"]
     partials = torch.empty((1, programs, x.shape[1]), dtype=torch.float32, device=x.device)
     run_launches(bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, target), x.device)
     return dx, dbias

@@ -96,13 +96,17 @@ def _rotate_heads(X, XOut, x_strides, out_strides, tile, rope, num_heads, HALF: 
     stride_ot, stride_oh = out_strides
     tokens, offs_j, mask = tile
     cos, sin = rope
-    for head in range(num_heads):
-        first = X + tokens[:, None] * stride_xt + head * stride_xh + offs_j[None, :]
-        x1 = tl.load(first, mask=mask, other=0.0)
-        x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        out = XOut + tokens[:, None] * stride_ot + head * stride_oh + offs_j[None, :]
-        tl.store(out, rope_apply(x1, x2, cos, sin, -1.0).to(XOut.dtype.element_ty), mask=mask)
-        tl.store(out + HALF, rope_apply(x2, x1, cos, sin, 1.0).to(XOut.dtype.element_ty), mask=mask)
+    x_rows = X + tokens[:, None] * stride_xt + offs_j[None, :]
+    out_rows = XOut + tokens[:, None] * stride_ot + offs_j[None, :]
+    for _ in range(num_heads):
+        x1 = tl.load(x_rows, mask=mask, other=0.0)
+        x2 = tl.load(x_rows + HALF, mask=mask, other=0.0)
+        tl.store(out_rows, rope_apply(x1, x2, cos, sin, -1.0).to(XOut.dtype.element_ty), mask=mask)
+        tl.store(out_rows + HALF, rope_apply(x2, x1, cos, sin, 1.0).to(XOut.dtype.element_ty), mask=mask)
+        # Stepping the pointers keeps the head offset 64-bit: head * stride in int32 can pass 2**31 in a
+        # head-major tensor whose token offsets do not.
+        x_rows += stride_xh
+        out_rows += stride_oh
 
 
 @triton.jit

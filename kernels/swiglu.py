@@ -230,7 +230,7 @@ def bias_swiglu_backward_launches(
     num_rows, num_cols = gate.shape
     if gate.numel() == 0:
         return []
-    config = epilogue_backward_config(num_rows, num_cols, target)
+    config = epilogue_backward_config(num_rows, num_cols)
     grid = (config.pop("programs"), cdiv(num_cols, config["BLOCK_N"]))
     args = dict(
         # pointers
@@ -360,7 +360,7 @@ def bias_swiglu_backward(
     new_bias = torch.empty_like if gate.shape[0] else torch.zeros_like
     d_gate_bias, d_up_bias = new_bias(gate_bias), new_bias(up_bias)
     target = device_target(gate.device)
-    programs = epilogue_backward_config(gate.shape[0], gate.shape[1], target)["programs"]
+    programs = epilogue_backward_config(gate.shape[0], gate.shape[1])["programs"]
     partials = torch.empty((2, programs, gate.shape[1]), dtype=torch.float32, device=gate.device)
     launches = bias_swiglu_backward_launches(
         grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target

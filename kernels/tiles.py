@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
 
 from .common import FMA_CONTRACTION, KernelLaunch, cached_config, cdiv, next_power_of_2
 
@@ -126,11 +125,11 @@ def row_split(num_rows: int, block_m: int) -> tuple[int, int]:
     return cdiv(cdiv(num_rows, block_m), blocks_per_program), blocks_per_program
 
 
-def epilogue_backward_config(num_rows: int, num_cols: int, target: GPUTarget) -> dict:
+def epilogue_backward_config(num_rows: int, num_cols: int) -> dict:
     """The tiles of an elementwise epilogue's backward (bias + GELU, biases + SwiGLU) over ``(num_rows,
-    num_cols)`` on ``target``: :func:`row_tiles`, with the rows split over ``programs`` (grid axis 0) of
+    num_cols)``: :func:`row_tiles`, with the rows split over ``programs`` (grid axis 0) of
     ``blocks_per_program`` row blocks each by :func:`row_split`, one fp32 partial row of the bias gradients per
-    program. Every target gets the same values."""
+    program. The same on every target."""
     config = row_tiles(num_cols)
     programs, blocks_per_program = row_split(num_rows, config["BLOCK_M"])
     return dict(config, programs=programs, blocks_per_program=blocks_per_program)

@@ -79,7 +79,7 @@ def _attn_bwd_delta_kernel(
     # A head stride of 72 elements proves nothing to the compiler: rows would load element by element.
     stride_ot, stride_oh = vector_multiple(stride_ot, VEC), vector_multiple(stride_oh, VEC)
     stride_dot, stride_doh = vector_multiple(stride_dot, VEC), vector_multiple(stride_doh, VEC)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     tokens = offs_t.to(tl.int64)
@@ -88,7 +88,7 @@ def _attn_bwd_delta_kernel(
     o = tl.load(Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DOut + tokens[:, None] * stride_dot + head * stride_doh + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + head.to(tl.int64) * num_tokens + offs_t, delta, mask=mask_t)
+    tl.store(Delta + head * num_tokens + offs_t, delta, mask=mask_t)
 
 
 @triton.jit

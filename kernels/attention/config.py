@@ -111,7 +111,9 @@ def set_head_dim_layout(layout: str) -> None:
 
 @contextlib.contextmanager
 def head_dim_layout_in(layout: str) -> Iterator[None]:
-    """:func:`set_head_dim_layout` for the ``with`` block; the layout in use before it comes back after it."""
+    """:func:`set_head_dim_layout` for the ``with`` block; the layout in use before it comes back after it. Each
+    launch reads the layout when it is built, the backward's too: a training step whose forward runs in the block
+    takes its backward there as well, or the backward tiles the head dim in the layout of the moment."""
     before = _head_dim_layout
     set_head_dim_layout(layout)
     try:
@@ -378,10 +380,14 @@ def attention_plan(
     rows_aligned = [
         pointer and strides_16_byte_aligned(shape, x, element) for pointer, x in zip(aligned_pointers, strides)
     ]
-    kv_aligned = rows_aligned[1] and rows_aligned[2]
+    # A TMA descriptor checks every stride, a size-1 dim's too, though the kernel never steps it.
+    kv_descriptor_ready = all(
+        pointer and not any(stride * element % 16 for stride in x[:-1])
+        for pointer, x in zip(aligned_pointers[1:3], strides[1:3])
+    )
     max_seqlen = SHORT_SEGMENT_MAX if segment_class_name == "short" else None
     config = {**launch_config(head_dim, dtype, target, max_seqlen), **dict(tiles)}
-    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_aligned
+    config["DESCRIPTORS"] = bool(config["DESCRIPTORS"]) and tma_capable(target) and kv_descriptor_ready
     token_strides = [x[0] for x in strides] + ([head_dim] if rotate_q else [])  # the cos/sin table's rows too
     flags = dict(
         ROTATE_Q=rotate_q,

@@ -619,7 +619,7 @@ def vision_attn(
     Args:
         q, k, v: ``(T, H, D)``, fp16/bf16/fp32, one dtype and device, last dim contiguous (token and
             head strides free: ``qkv.view(T, 3, H, D).unbind(1)`` views work without copies). D <= 256.
-        cu_seqlens: int32 ``(B + 1,)`` on q's device: 0, non-decreasing, ends at T. Zero-length
+        cu_seqlens: int32 ``(B + 1,)``, contiguous, on q's device: 0, non-decreasing, ends at T. Zero-length
             segments and T = 0 are fine.
         max_seqlen: optional tile hint: a host int bounding the segment lengths, e.g. the metadata's
             ``max_seqlen`` or the window length of window attention (None: no bound). At most 64 picks

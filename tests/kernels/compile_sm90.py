@@ -138,7 +138,7 @@ def norm_backward(num_cols, num_params, add):
 
 
 def epilogue_partials(num_rows, num_cols, count):
-    programs = epilogue_backward_config(num_rows, num_cols, HOPPER)["programs"]
+    programs = epilogue_backward_config(num_rows, num_cols)["programs"]
     return torch.empty(count, programs, num_cols)
 
 

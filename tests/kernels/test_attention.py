@@ -353,6 +353,11 @@ def test_compile_fullgraph_without_recompiles():
         (lambda a: {**a, "q": a["q"].transpose(1, 2)}, ValueError, "q must have a contiguous last dimension"),
         (lambda a: {**a, "cu_seqlens": a["cu_seqlens"].long()}, TypeError, "cu_seqlens must be one of"),
         (lambda a: {**a, "cu_seqlens": a["cu_seqlens"][None]}, ValueError, "cu_seqlens must be 1-D"),
+        (
+            lambda a: {**a, "cu_seqlens": torch.tensor([[0, 9], [4, 9], [10, 9]], dtype=torch.int32)[:, 0]},
+            ValueError,
+            "cu_seqlens must be contiguous, got stride 2",
+        ),
         (lambda a: {**a, "cu_seqlens": cu_seqlens_of([5, 4])}, ValueError, "cu_seqlens must end at"),
         (lambda a: {**a, "cu_seqlens": torch.tensor([0, 8, 4, 10], dtype=torch.int32)}, ValueError, "non-decreasing"),
         (lambda a: {**a, "cu_seqlens": torch.tensor([1, 10], dtype=torch.int32)}, ValueError, "start at 0"),
@@ -374,6 +379,18 @@ def test_bad_input(mutate, error, words):
     args = dict(q=q, k=k, v=v, cu_seqlens=cu_seqlens_of([4, 6]))
     with pytest.raises(error, match=words):
         torch.ops.qvl.vision_attn(**mutate(args))
+
+
+def test_value_checks_stand_aside_while_a_cuda_graph_is_captured(monkeypatch):
+    """Opt-in value checks read CUDA tensors on the host, a sync a capture forbids: none runs during one."""
+    from qvl.kernels import common
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(common, "_value_checks", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert common.value_checks_enabled(cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not common.value_checks_enabled(cuda) and common.value_checks_enabled(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("head_dim, error", [(0, ValueError), (257, ValueError)])

@@ -331,3 +331,22 @@ def test_int64_offsets_past_2_pow_31_on_gpu():
     q, k, v = (x[tail] for x in qkv.unbind(1))
     last = [grad[tail] for grad in grads]
     assert_gradients_close_to_float64(last, q, k, v, cu_seqlens_of([window], "cuda"), grad_out[tail])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot hold 2**31-element tensors here)")
+def test_int64_head_offsets_past_2_pow_31_on_gpu():
+    """Head-major q, k, v and output gradient whose last head starts past 2**31 elements while their token
+    offsets stay below it, with the rotary embedding: the rotation of k, the backward's delta and the rotation
+    of the gradients back address every head in 64 bits."""
+    num_tokens, num_heads, head_dim, window = 2_000_000, 16, 72, 1000
+    q, k, v, grad_out = torch.randn(4, num_heads, num_tokens, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v, grad_out = (x.transpose(0, 1) for x in (q, k, v, grad_out))
+    assert (num_heads - 1) * q.stride(1) > 2**31 > num_tokens * q.stride(0)
+    cu = torch.arange(0, num_tokens + 1, window, dtype=torch.int32, device="cuda")
+    positions = torch.randint(0, 64, (num_tokens, 2), dtype=torch.int32, device="cuda")
+    grads = gradients(lambda q, k, v: torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions), [q, k, v], grad_out)
+    tail = slice(num_tokens - window, num_tokens)
+    last = [grad[tail] for grad in grads]
+    q, k, v, grad_out, positions = (x[tail] for x in (q, k, v, grad_out, positions))
+    cu_tail = cu_seqlens_of([window], "cuda")
+    assert_gradients_close_to_float64(last, q, k, v, cu_tail, grad_out, positions=positions)

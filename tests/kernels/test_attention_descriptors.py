@@ -140,6 +140,18 @@ def test_targets_without_tma_take_pointers():
         assert launches[-1].kwargs["DESCRIPTORS"] is expected, target
 
 
+def test_a_size_one_dim_with_an_unaligned_stride_takes_pointers():
+    """One head whose head stride is 3 elements: the kernel never steps it, so its rows are aligned, but a TMA
+    descriptor checks every stride: the Hopper launch takes pointers instead of failing to build one."""
+    q, k, v = (x[:, :1] for x in packed(64, torch.float16, seed=5))
+    k = torch.empty(q.shape[0] * 64 + 8, dtype=q.dtype).as_strided(q.shape, (64, 3, 1)).copy_(k)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    launches = attention.vision_attn_launches(
+        q, k, v, out, CU_SEQLENS, None, None, 10000.0, HOPPER, None, None, {"DESCRIPTORS": True}
+    )
+    assert launches[-1].kwargs["DESCRIPTORS"] is False
+
+
 # --------------------------------------------------------------------------------------------------
 # The tile table
 # --------------------------------------------------------------------------------------------------

@@ -299,7 +299,7 @@ def test_guard_bands(approximate, dtype, layout, device):
     y, dx = (guarded_empty(x.shape, dtype, device, pad=next(pads)) for _ in range(2))
     dbias = guarded_empty(bias.shape, dtype, device, pad=next(pads))
     target = device_target(x.device)
-    programs = epilogue_backward_config(*x.shape, target)["programs"]
+    programs = epilogue_backward_config(*x.shape)["programs"]
     partials = guarded_empty((1, programs, x.shape[1]), torch.float32, device, pad=0)
     run_launches(
         bias_gelu_launches(x, bias, y, approximate, target)

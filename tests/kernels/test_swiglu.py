@@ -260,7 +260,7 @@ def test_guard_bands(dtype, layout, device):
     y, d_gate, d_up = (guarded_empty(gate.shape, dtype, device, pad=next(pads)) for _ in range(3))
     d_gate_bias, d_up_bias = (guarded_empty(gate_bias.shape, dtype, device, pad=next(pads)) for _ in range(2))
     target = device_target(gate.device)
-    programs = epilogue_backward_config(*gate.shape, target)["programs"]
+    programs = epilogue_backward_config(*gate.shape)["programs"]
     partials = guarded_empty((2, programs, gate.shape[1]), torch.float32, device, pad=0)
     inputs = [gate, up, gate_bias, up_bias]
     grads = [d_gate, d_up, d_gate_bias, d_up_bias]
