@@ -207,8 +207,8 @@ def pad_batch(runner, grid_thw, budget: int, max_segments: int | None = None) ->
     budget = _check_budget("pad_batch", "budget", budget, merge)
     if max_segments is not None:
         _check_int("pad_batch", "max_segments", max_segments)
-    grid = grid_as_numpy(grid_thw)
-    check_grid(grid, merge)
+    grid = grid_as_numpy(grid_thw, "pad_batch")
+    check_grid(grid, merge, "pad_batch")
     slots = segment_slots(budget, merge, max_segments)
     padded = pad_grid(grid, budget, merge, slots)
     if padded is None:
@@ -231,6 +231,16 @@ def pad_pixels(pixel_values: torch.Tensor, budget: int) -> torch.Tensor:
     return padded
 
 
+def _weights_in_memory(runner) -> tuple:
+    """Where the tower's weights live: device, dtype and the storage of a few parameters spread over the tree (the
+    patch embedding, the last block, the merger). Moving, casting or loading with ``assign=True`` gives them new
+    storage, which graphs captured before would not read; a few pointers cost next to nothing per call, where
+    every parameter would cost hundreds of microseconds."""
+    tree = runner.tree
+    sentinels = (tree.patch_embed.proj.weight, next(tree.blocks[-1].parameters()), next(tree.merger.parameters()))
+    return runner.device, runner.dtype, tuple(parameter.data_ptr() for parameter in sentinels)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Graph:
     """One captured budget: the graph, the static buffers it reads (pixel values, then the device forward's
@@ -250,16 +260,21 @@ class TowerGraphs:
     every method takes it, so the runner owns this object and not the other way round.
     """
 
-    def __init__(self, runner, budgets: tuple[int, ...], max_segments: int | None = None):
-        """``budgets`` and ``max_segments`` as :func:`check_budgets` returns and checks them; captures on CUDA."""
+    def __init__(self, runner, budgets: tuple[int, ...], max_segments: int | None = None, caller: str = "capture"):
+        """``budgets`` and ``max_segments`` as :func:`check_budgets` returns and checks them; captures on CUDA.
+        ``caller`` names what captured them, for the error that asks for a new capture."""
         self.budgets = budgets
         self.max_segments = max_segments
+        self.caller = caller
         self.device, self.dtype = runner.device, runner.dtype
+        self._weights = _weights_in_memory(runner)
         self._graphs: dict[int, _Graph] = {}
         if self.device.type == "cuda":
-            pixels = torch.zeros(self.budgets[-1], runner.config.patch_dim, dtype=self.dtype, device=self.device)
-            pool = torch.cuda.graph_pool_handle()
-            with torch.no_grad():
+            # Outside inference mode, so that replays under plain no_grad may copy into the static buffers (an
+            # inference tensor refuses in-place writes outside inference mode).
+            with torch.inference_mode(False), torch.no_grad():
+                pixels = torch.zeros(self.budgets[-1], runner.config.patch_dim, dtype=self.dtype, device=self.device)
+                pool = torch.cuda.graph_pool_handle()
                 for budget in reversed(self.budgets):
                     self._graphs[budget] = self._capture(runner, budget, pixels[:budget], pool)
 
@@ -274,7 +289,9 @@ class TowerGraphs:
                 runner.run_device(pixels, inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # On the tower's own stream: torch.cuda.graph's default capture stream belongs to whichever device was
+        # current when it was first made, and a tower on another GPU would launch outside the capture.
+        with torch.cuda.graph(graph, pool=pool, stream=side):
             outputs = runner.run_device(pixels, inputs)
         return _Graph(graph, pixels, inputs, outputs)
 
@@ -287,10 +304,11 @@ class TowerGraphs:
         copied into the graph's buffer (from pinned memory when on the host) and the pad rows zeroed, the graph
         replays, and the outputs are copied out (the next replay overwrites the graph's own). Elsewhere the
         padded batch runs through the runner's normal device forward."""
-        if runner.device != self.device or runner.dtype != self.dtype:
+        if _weights_in_memory(runner) != self._weights:
             raise RuntimeError(
-                f"{runner.name}: its graphs were captured on {self.device} in {self.dtype}, but the tower is now on "
-                f"{runner.device} in {runner.dtype}; call capture() again after moving or casting it"
+                f"{runner.name}: its graphs read the weights' memory as it was at capture (on {self.device} in "
+                f"{self.dtype}), but the weights have moved since (now on {runner.device} in {runner.dtype}: moved, "
+                f"cast or loaded into new storage); call {self.caller} again"
             )
         # Grad mode first: under no_grad / inference_mode the parameters are not walked (hundreds of µs a call).
         if grid.shape[0] == 0 or (torch.is_grad_enabled() and needs_grad(pixel_values, *runner.tree.parameters())):
@@ -313,6 +331,7 @@ class TowerGraphs:
         for static, fresh in zip(entry.inputs, batch.inputs()):
             if isinstance(static, torch.Tensor):
                 static.copy_(fresh, non_blocking=True)
-        entry.graph.replay()
+        with torch.cuda.device(self.device):  # a graph replays on the current device's stream
+            entry.graph.replay()
         last, merged, deepstack = batch.real_outputs(entry.outputs)
         return type(entry.outputs)(last.clone(), merged.clone(), [features.clone() for features in deepstack])

@@ -135,7 +135,7 @@ class _PatchedForward:
         marker = f"forward patched by qvl.vit.patch_model{mode}"
         return f"{own}\n{marker}" if own else marker
 
-    def _unfused_reason(self, hidden_states: torch.Tensor, output_hidden_states, kwargs) -> str | None:
+    def _unfused_reason(self, output_hidden_states, kwargs) -> str | None:
         """Why this call cannot run on qvl, or None."""
         visual = self.visual
         if kwargs.get("output_attentions", getattr(visual.config, "output_attentions", False)):
@@ -161,7 +161,7 @@ class _PatchedForward:
         """
         hf_config = self.visual.config
         output_hidden_states = kwargs.get("output_hidden_states", getattr(hf_config, "output_hidden_states", False))
-        reason = self._unfused_reason(hidden_states, output_hidden_states, kwargs)
+        reason = self._unfused_reason(output_hidden_states, kwargs)
         if reason is not None:
             message = f"qvl.vit.patch_model: {reason}; this call runs transformers' own vision forward"
             warnings.warn(message, UnfusedFallbackWarning)
@@ -169,8 +169,10 @@ class _PatchedForward:
 
         hidden = [] if output_hidden_states else None
         runner = self.runner
+        # transformers hands the processor's grid over as it came, on the device with the pixels: read it once.
+        grid_thw = grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw
         if self.data_parallel is None:
-            grid = grid_as_numpy(grid_thw.cpu() if isinstance(grid_thw, torch.Tensor) else grid_thw)
+            grid = grid_as_numpy(grid_thw)
             check_grid(grid, self.config.spatial_merge_size)
             if hidden is None:
                 last_hidden, merged, deepstack = runner.encode_batch(hidden_states, grid)

@@ -35,6 +35,7 @@ __all__ = [
     "Product",
     "column_parallel_input",
     "embed_patches",
+    "layer_or_rms_norm",
     "linear_parts",
     "merge_blocks",
     "needs_grad",
@@ -178,7 +179,7 @@ def row_parallel_linear(
     return reduced if bias is None else reduced + bias
 
 
-def _norm(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+def layer_or_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
     """LayerNorm, or RMSNorm where there is no bias, from ``ops`` (:func:`~qvl.kernels.ops_for`'s choice, or
     ``torch.ops.qvl``)."""
     if bias is None:
@@ -243,9 +244,9 @@ def patch_merger(
         )
     ops = ops_for(x.device)
     if postshuffle_norm:
-        h = _norm(ops, merge_blocks(x, group), norm_weight, norm_bias, eps)
+        h = layer_or_rms_norm(ops, merge_blocks(x, group), norm_weight, norm_bias, eps)
     else:
-        h = merge_blocks(_norm(ops, x, norm_weight, norm_bias, eps), group)
+        h = merge_blocks(layer_or_rms_norm(ops, x, norm_weight, norm_bias, eps), group)
     h = column_parallel_input(h, all_reduce)
     h = _bias_gelu(_product(h, fc1_weight), fc1_bias, "none")
     return row_parallel_linear(h, fc2_weight, fc2_bias, all_reduce)

@@ -141,25 +141,26 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else to_device(tensor, device)
 
 
-def _check_positive_int(name: str, value: object) -> int:
+def _check_positive_int(name: str, value: object, caller: str = "build_metadata") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"build_metadata: {name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"build_metadata: {name} must be >= 1, got {value}")
+        raise ValueError(f"{caller}: {name} must be >= 1, got {value}")
     return int(value)
 
 
-def grid_as_numpy(grid_thw: object) -> np.ndarray:
-    """``grid_thw`` as an int64 ``(N, 3)`` array, without ever touching a device tensor's values."""
+def grid_as_numpy(grid_thw: object, caller: str = "build_metadata") -> np.ndarray:
+    """``grid_thw`` as an int64 ``(N, 3)`` array, without ever touching a device tensor's values; errors name
+    ``caller``."""
     if isinstance(grid_thw, torch.Tensor):
         if grid_thw.device.type != "cpu":
             raise ValueError(
-                f"build_metadata: grid_thw must be a CPU tensor, numpy array or list, got a tensor on "
+                f"{caller}: grid_thw must be a CPU tensor, numpy array or list, got a tensor on "
                 f"{grid_thw.device}; reading it would sync the device. Pass the processor's CPU grid_thw "
                 f"(or call .cpu() yourself, accepting the sync)."
             )
         if grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
-            raise TypeError(f"build_metadata: grid_thw must hold integers, got {grid_thw.dtype}")
+            raise TypeError(f"{caller}: grid_thw must hold integers, got {grid_thw.dtype}")
         array = grid_thw.detach().numpy()
     elif isinstance(grid_thw, np.ndarray):
         array = grid_thw
@@ -170,35 +171,36 @@ def grid_as_numpy(grid_thw: object) -> np.ndarray:
             array = np.zeros((0, 3), dtype=np.int64)
     else:
         raise TypeError(
-            f"build_metadata: grid_thw must be a CPU tensor, numpy array or sequence of (t, h, w), "
+            f"{caller}: grid_thw must be a CPU tensor, numpy array or sequence of (t, h, w), "
             f"got {type(grid_thw).__name__}"
         )
     if array.dtype.kind not in "iu":
-        raise TypeError(f"build_metadata: grid_thw must hold integers, got dtype {array.dtype}")
+        raise TypeError(f"{caller}: grid_thw must hold integers, got dtype {array.dtype}")
     if array.ndim != 2 or array.shape[1] != 3:
-        raise ValueError(f"build_metadata: grid_thw must have shape (N, 3), got {tuple(array.shape)}")
+        raise ValueError(f"{caller}: grid_thw must have shape (N, 3), got {tuple(array.shape)}")
     return array.astype(np.int64)
 
 
-def check_grid(grid: np.ndarray, merge: int) -> None:
-    """Raise ValueError naming the row unless every (t, h, w) of ``grid`` (from :func:`grid_as_numpy`) is
-    positive with h and w divisible by ``merge``, and the batch holds fewer than 2**31 patches."""
+def check_grid(grid: np.ndarray, merge: int, caller: str = "build_metadata") -> None:
+    """Raise ValueError naming ``caller`` and the row unless every (t, h, w) of ``grid`` (from
+    :func:`grid_as_numpy`) is positive with h and w divisible by ``merge``, and the batch holds fewer than 2**31
+    patches."""
     non_positive = np.flatnonzero((grid <= 0).any(axis=1))
     if non_positive.size:
         row = int(non_positive[0])
-        raise ValueError(f"build_metadata: grid_thw row {row} = {tuple(grid[row].tolist())} must be positive")
+        raise ValueError(f"{caller}: grid_thw row {row} = {tuple(grid[row].tolist())} must be positive")
     misaligned = np.flatnonzero((grid[:, 1:] % merge != 0).any(axis=1))
     if misaligned.size:
         row = int(misaligned[0])
         raise ValueError(
-            f"build_metadata: grid_thw row {row} = {tuple(grid[row].tolist())}: h and w must be divisible "
+            f"{caller}: grid_thw row {row} = {tuple(grid[row].tolist())}: h and w must be divisible "
             f"by spatial_merge_size {merge}"
         )
     # float64 products cannot overflow and are exact near the limit, unlike int64 ones on absurd rows.
     total = float(np.prod(grid, axis=1, dtype=np.float64).sum())
     if total >= _INT32_LIMIT:
         raise ValueError(
-            f"build_metadata: grid_thw holds {total:.0f} patches; qvl indexes tokens with int32, so a "
+            f"{caller}: grid_thw holds {total:.0f} patches; qvl indexes tokens with int32, so a "
             f"batch must hold fewer than 2**31"
         )
 
@@ -334,8 +336,10 @@ class WindowMetadata:
             merge units (the merger's output) back in the original order.
         cu_window_seqlens: int32 ``(W + 1,)``: token offsets of the W non-empty windows in window order,
             transformers' ``cu_window_seqlens`` (duplicates removed as its ``unique_consecutive`` does).
-        max_window_seqlen: the longest window in tokens (Python int, 0 for an empty batch): the
-            ``max_seqlen`` tile hint of ``vision_attn`` on the windowed blocks.
+        max_window_seqlen: the longest window in tokens (Python int, 0 for an empty batch), a bound for
+            ``vision_attn``'s ``max_seqlen`` tile hint. The runner's windowed blocks pass the window size in tokens
+            instead (``TowerSpec.window_tokens``): the same for every batch, so a compiled forward never
+            specializes on it.
         window_size: the window side in pixels the layout was built for.
     """
 
@@ -381,17 +385,18 @@ def build_window_metadata(
     (14); ``window_size`` must be at least ``spatial_merge_size * patch_size``. Returns a
     :class:`WindowMetadata`.
     """
-    merge = _check_positive_int("spatial_merge_size", spatial_merge_size)
-    window_size = _check_positive_int("window_size", window_size)
-    patch_size = _check_positive_int("patch_size", patch_size)
+    caller = "build_window_metadata"
+    merge = _check_positive_int("spatial_merge_size", spatial_merge_size, caller)
+    window_size = _check_positive_int("window_size", window_size, caller)
+    patch_size = _check_positive_int("patch_size", patch_size, caller)
     side = window_size // merge // patch_size  # transformers' vit_merger_window_size
     if side < 1:
         raise ValueError(
-            f"build_window_metadata: window_size {window_size} must be at least spatial_merge_size * patch_size "
+            f"{caller}: window_size {window_size} must be at least spatial_merge_size * patch_size "
             f"= {merge * patch_size}"
         )
-    grid = grid_as_numpy(grid_thw)
-    check_grid(grid, merge)
+    grid = grid_as_numpy(grid_thw, caller)
+    check_grid(grid, merge, caller)
     device = torch.device("cpu") if device is None else torch.device(device)
 
     # One row per frame (temporal slice): its merge-unit grid and where its units start.

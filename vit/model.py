@@ -223,8 +223,11 @@ class TowerBase(nn.Module):
 
         Batches larger than every budget, with more frames than the slots, empty ones, and forwards autograd would
         record (grad mode on and pixel values or a parameter requiring grad: a replay records nothing) take the
-        normal path. Calling ``capture`` again replaces the budgets; moving or casting the tower afterwards makes
-        the next forward raise until ``capture`` runs again (the graphs read the old weights' memory).
+        normal path. Calling ``capture`` again replaces the budgets; moving or casting the tower afterwards, or
+        loading weights into new storage (``load_state_dict(..., assign=True)``), makes the next forward raise
+        until ``capture`` runs again (the graphs read the old weights' memory; the check compares the storage of
+        the patch embedding's, the last block's and the merger's first weights). Weights copied in place
+        (``load_state_dict`` without ``assign``) keep their storage, and the graphs read the new values.
 
         Args:
             token_budgets: ints >= 1, each a multiple of ``spatial_merge_size**2`` (the pad is whole merge

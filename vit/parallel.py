@@ -190,7 +190,7 @@ class _Distributed(SingleProcess):
             shape = (int(np.prod(grid, axis=1).sum()), self.config.patch_dim)
             if not isinstance(pixel_values, torch.Tensor) or tuple(pixel_values.shape) != shape:
                 got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values)
-                raise ValueError(f"VisionTransformer: pixel_values must have shape {shape}, got {got}")
+                raise ValueError(f"parallel={self.mode!r}: pixel_values must have shape {shape}, got {got}")
             digest = hashlib.blake2b(np.ascontiguousarray(grid).tobytes(), digest_size=8).digest()
             fingerprint = [1, int.from_bytes(digest, "little", signed=True), *shape]
         except (TypeError, ValueError) as error:

@@ -16,10 +16,10 @@ patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.vllm_tower`)
   ``torch.ops.qvl``.
 
 The device forward is a sequence of module steps, each reading the parameters of one module only: the patch
-embedding (:func:`embed_step`), each block (:func:`block_step`) and each merger (:func:`merger_step`). Fusion
-stays inside a block: block ``i`` hands block ``i + 1`` its residual stream and its MLP output unsummed, and
-block ``i + 1`` adds them in the same op as its first norm (with its own norm's weights), so no block reads
-another block's parameters.
+embedding (:func:`patch_embed_step`), the position table (:func:`position_step`, towers with one), each block
+(:func:`block_step`) and each merger (:func:`merger_step`). Fusion stays inside a block: block ``i`` hands block
+``i + 1`` its residual stream and its MLP output unsummed, and block ``i + 1`` adds them in the same op as its
+first norm (with its own norm's weights), so no block reads another block's parameters.
 
 A module tree has transformers' layout (``patch_embed.proj``, ``pos_embed``, ``blocks.{i}.norm1`` / ``attn.qkv`` /
 ``attn.proj`` / ``norm2`` / ``mlp``, ``merger``, deepstack mergers); where its q/k/v linear, MLP and merger parts
@@ -52,6 +52,7 @@ from .layers import (
     Product,
     column_parallel_input,
     embed_patches,
+    layer_or_rms_norm,
     linear_parts,
     needs_grad,
     patch_merger,
@@ -190,11 +191,7 @@ def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, flo
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    weight, bias, eps = _norm_parts(norm)
-    ops = ops_for(x.device)
-    if bias is None:
-        return ops.rms_norm(x, weight, eps)
-    return ops.layer_norm(x, weight, bias, eps)
+    return layer_or_rms_norm(ops_for(x.device), x, *_norm_parts(norm))
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -577,7 +574,7 @@ class TowerRunner:
         or released (a graph would replay their gathers, or read memory they no longer own)."""
         budgets = self.check_capture(token_budgets, max_segments, caller)
         self.graphs = None  # the old graphs' memory goes before the new ones are captured
-        self.graphs = TowerGraphs(self, budgets, max_segments)
+        self.graphs = TowerGraphs(self, budgets, max_segments, caller)
 
     def check_capture(self, token_budgets, max_segments: int | None, caller: str) -> tuple[int, ...]:
         """What :meth:`capture` checks before it captures anything: the budgets, sorted and without repeats."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from qvl.kernels import force_backend
+from qvl.kernels import force_backend, set_value_checks
 from qvl.vit import VisionConfig, VisionTransformer
 from qvl.vit.graphs import (
     PAD_FRAME_UNITS,
@@ -310,12 +310,28 @@ def test_other_refusals(monkeypatch):
         pad_batch(tower, GRID, 30)
     with pytest.raises(ValueError, match=r"pad_batch: max_segments must be >= 1"):
         pad_batch(tower, GRID, 128, max_segments=0)
+    with pytest.raises(ValueError, match=r"pad_batch: grid_thw row 0 = \(1, 3, 4\): h and w must be divisible"):
+        pad_batch(tower, [[1, 3, 4]], 128)
     assert pad_batch(tower, GRID, 108) is None and pad_batch(tower, GRID, 128, max_segments=FRAMES) is None
 
     # Moving or casting the tower leaves the graphs reading the old weights' memory: the next forward says so.
+    pixels = pixel_values_for(GRID, channels=tower.config.patch_dim)
+    stale = r"at capture \(on cpu in torch.float32\).*now on cpu in torch.float64.*call VisionTransformer\.capture "
     tower.capture([128]).double()
-    with pytest.raises(RuntimeError, match=r"captured on cpu in torch.float32.*call capture\(\) again"):
-        tower(pixel_values_for(GRID, channels=tower.config.patch_dim).double(), GRID)
+    with pytest.raises(RuntimeError, match=stale):
+        tower(pixels.double(), GRID)
+    # So does a round trip back to the captured dtype (new storage, same device and dtype) and weights loaded
+    # into new storage; weights copied in place keep theirs and the graphs read them.
+    tower.float().capture([128])
+    tower.double().float()
+    with pytest.raises(RuntimeError, match=r"weights have moved since \(now on cpu in torch.float32"):
+        tower(pixels, GRID)
+    tower.capture([128])
+    tower.load_state_dict(tower.state_dict())
+    tower(pixels, GRID)
+    tower.load_state_dict({name: value.clone() for name, value in tower.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"weights have moved since"):
+        tower(pixels, GRID)
 
     # Weights mode needs a process group of two ranks to build; the refusal reads only the strategy's mode.
     monkeypatch.setattr(tower._parallel, "mode", "weights")
@@ -354,6 +370,26 @@ def test_cuda_graph_replay_equals_eager_without_syncs():
         baseline = vision_outputs(hf.cuda(), pixel_values_for(GRID, channels=tower.config.patch_dim).cuda(), GRID)
         assert_error_within(replayed[0], truth, baseline, what="replayed 128-token graph")
         assert all(torch.equal(a, b) for a, b in zip(replayed[1], eager[1]))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU (and TRITON_INTERPRET=0)")
+def test_graphs_captured_in_inference_mode_replay_under_no_grad():
+    """Capturing inside torch.inference_mode, then replaying under no_grad (generate's mode), with value checks on
+    (their host reads stand aside during the capture): the static buffers are normal tensors, which a replay
+    outside inference mode may write, and the replay equals the eager padded run of the same budget."""
+    hf = hf_vision_model(seed=5).cuda()
+    tower = VisionTransformer.from_hf(hf).eval()
+    pixels = pixel_values_for(GRID, channels=tower.config.patch_dim).cuda()
+    set_value_checks(True)
+    try:
+        with torch.inference_mode():
+            tower.capture([128])
+    finally:
+        set_value_checks(False)
+    with torch.no_grad():
+        eager = padded_outputs(tower, pad_pixels(pixels, 128), pad_batch(tower, GRID, 128))
+        merged, deepstack = tower(pixels, GRID)
+    assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], eager))
 
 
 def test_data_mode_pads_each_ranks_share(tmp_path):

@@ -165,5 +165,5 @@ def test_cuda_device():
     ],
 )
 def test_bad_arguments(kwargs, error, pattern):
-    with pytest.raises(error, match=pattern):
+    with pytest.raises(error, match=f"^build_window_metadata: .*{pattern}"):
         build_window_metadata(**{"grid_thw": [(1, 2, 2)], **kwargs})
