@@ -182,7 +182,7 @@ def benchmark(config: RunConfig) -> Report:
     device, dtype = config.device, config.dtype
     report = Report("pos_embed", device, dtype, "bytes", BASELINES)
     trial = make_inputs(MIXED_TINY, device, dtype)[0]
-    peers, report.skipped = harness.device_peers(PEERS, device, trial)
+    peers, report.skipped = harness.device_peers(PEERS, device, trial, config.skip)
     report.notes.append(
         "hf eager: transformers' per-forward path (indices from the device grid_thw, gather, add); "
         "hf gather+add: indices built outside the timing; qvl+metadata: qvl's whole host metadata build plus the launch"

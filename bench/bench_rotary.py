@@ -160,7 +160,7 @@ def benchmark(config: RunConfig) -> Report:
     device, dtype = config.device, config.dtype
     report = Report("rotary", device, dtype, "bytes", BASELINES)
     trial = make_inputs(square(16), device, dtype)[0]
-    peers, report.skipped = harness.device_peers(PEERS, device, trial)
+    peers, report.skipped = harness.device_peers(PEERS, device, trial, config.skip)
     report.notes.append("hf peers: per-block apply with cos/sin built once outside the timing, as transformers does")
     if "hf eager" in peers:  # its rotary module's API changed across releases
         report.meta["transformers"] = importlib.metadata.version("transformers")

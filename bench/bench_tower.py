@@ -372,7 +372,7 @@ def run_case(report: Report, case: Case, impls: dict[str, Impl], device: Device,
         record.note = f"{throughput:.4g} {case.workload.unit}, peak {memory}"
         if device.is_cuda and not case.training:
             gpu_ms = harness.cuda_kernel_ms(calls[name][0])
-            record.note += f", GPU {gpu_ms:.3g} ms"
+            record.note += ", GPU time not recorded" if gpu_ms is None else f", GPU {gpu_ms:.3g} ms"
             report.meta.setdefault("gpu_ms", {}).setdefault(case.name, {})[name] = gpu_ms
         report.meta.setdefault("throughput", {}).setdefault(case.name, {})[name] = [throughput, case.workload.unit]
         report.meta.setdefault("peak_memory_bytes", {}).setdefault(case.name, {})[name] = peaks[name]

@@ -113,7 +113,7 @@ bench_module() {
 : > "$out/bench.log"
 # Compiling qvl's and transformers' towers takes minutes: only --full times them.
 tower_eager() { bench_module "$1" tower --skip "qvl compiled,hf sdpa compiled"; }
-# flex_attention compiles per shape: the focused attention call leaves it out.
+# flex_attention compiles per shape: every call but --full leaves it out of the attention benchmarks.
 attention_no_flex() { bench_module "$1" "$2" --skip flex_attention; }
 
 phase device
@@ -169,9 +169,11 @@ case "${QVL_ATTENTION_HEAD_DIM:-}" in
     ;;
 esac
 
+# The CUDA tests run verbose: xdist then names each test as it ends, so a log cut by the step's limit says which
+# passed and which failed.
 tower_tests() {
   phase "CUDA tests" "$1"
-  timeout "$1" python3 -m pytest -q -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
+  timeout "$1" python3 -m pytest -v -p no:cacheprovider -n 4 tests/kernels/test_direct.py \
     tests/kernels/test_fast_launch.py tests/vit/test_graphs.py tests/vit/test_model.py \
     -k "cuda or gpu or direct" 2>&1 | tee "$out/gpu_tests.log" | tail -15
 }
@@ -226,7 +228,7 @@ kernel_tests() {
   local tests="tests/kernels tests/vit/test_model.py tests/vit/test_graphs.py"
   [ "$mode" = "--attention" ] && tests="tests/kernels/test_attention*.py"
   # shellcheck disable=SC2086
-  timeout "$1" python3 -m pytest -q -p no:cacheprovider -n 4 $tests \
+  timeout "$1" python3 -m pytest -v -p no:cacheprovider -n 4 $tests \
     -k "(gpu or cuda or bf16 or int64 or peak or guard_bands or direct) and not cuda_compile" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -15
   wait "$memcheck_pid"
@@ -264,16 +266,16 @@ case "$mode" in
     "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
   --attention) plan+=(
     "tile_sweep 55 25" "kernel_tests 90 40" "attention_no_flex 90 40 attention"
-    "attention_no_flex 60 25 attention_backward" "bench_module 30 15 window" ) ;;
+    "attention_no_flex 60 25 attention_backward" "attention_no_flex 30 15 window" ) ;;
   --full) plan+=(
     # The long cases and the compiled towers: longer than a 15-minute lease holds with a rerun.
     "tile_sweep 55 55" "kernel_tests 90 90" "bench_module 60 60 host" "bench_module 240 240 attention"
     "bench_module 600 600 tower" "bench_module 120 120 merger" "bench_module 60 60 pos_embed"
     "bench_module 60 60 rotary" "bench_module 240 240 attention_backward" "bench_module 120 120 window" ) ;;
   *) plan+=(
-    "tile_sweep 55 25" "kernel_tests 90 40" "bench_module 20 15 host" "bench_module 40 25 attention"
+    "tile_sweep 55 25" "kernel_tests 90 40" "bench_module 20 15 host" "attention_no_flex 40 25 attention"
     "tower_eager 60 40" "bench_module 30 15 merger" "bench_module 15 10 pos_embed" "bench_module 15 10 rotary"
-    "bench_module 30 15 attention_backward" "bench_module 25 15 window" ) ;;
+    "attention_no_flex 30 15 attention_backward" "attention_no_flex 25 15 window" ) ;;
 esac
 run_plan "${plan[@]}" "plots 20 10" "goals 20 10"
 phase "done"

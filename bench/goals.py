@@ -226,7 +226,10 @@ def bandwidth_goals(run: Run) -> Iterator[Verdict]:
 
 
 def _best_peer(rows: dict[tuple[str, str], dict], case: str) -> dict | None:
+    """The fastest peer row of ``case``, among those whose output agreed with qvl's where any did (a peer that
+    computed something else is no yardstick; where none agrees, qvl is the likelier one wrong, and all count)."""
     peers = [r for (c, impl), r in rows.items() if c == case and impl not in QVL_ROWS]
+    peers = [r for r in peers if r.get("agrees", True)] or peers
     return min(peers, key=lambda r: r["ms"], default=None)
 
 

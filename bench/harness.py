@@ -247,9 +247,10 @@ def measure(calls: Sequence[Callable[[], Any]], device: Device, warmup_ms: int =
     return Timing(statistics.median(times), cuts[0], cuts[-1])
 
 
-def cuda_kernel_ms(run: Callable[[], Any]) -> float:
+def cuda_kernel_ms(run: Callable[[], Any]) -> float | None:
     """Milliseconds of GPU kernel time in one ``run()`` (after a warm-up call), from the profiler: the sum of every
-    CUDA kernel's duration, whatever the host did around them."""
+    CUDA kernel's duration, whatever the host did around them; None where the profiler recorded no kernel (its
+    CUDA activity unavailable), which a sum would report as 0 ms."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,7 +259,8 @@ def cuda_kernel_ms(run: Callable[[], Any]) -> float:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA) / 1e3
+    kernels = [event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA]
+    return sum(kernels) / 1e3 if kernels else None
 
 
 # CPU GEMM and attention kernels as the profiler names them (self time: the wrappers above them hold none of it).

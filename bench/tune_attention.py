@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import datetime
 import itertools
 import json
@@ -212,10 +213,12 @@ def table_entry(rows: Sequence[dict], default: dict, flops: float) -> dict | Non
     }
 
 
-def merge_table(path: Path, entries: dict[str, dict], run: dict) -> dict:
+def merge_table(path: Path, entries: dict[str, dict], run: dict, base: dict | None = None) -> dict:
     """Write ``entries`` (tile key -> entry) into the table at ``path``, each tagged with the run's index in its
-    ``runs`` list (device, versions, date); other keys stay. Returns the new table."""
-    table = json.loads(path.read_text())
+    ``runs`` list (device, versions, date); other keys stay. ``base``: the table to merge into (default: the file
+    as it is now); a sweep writes its entries so far after every case into the table it started from, so a sweep
+    cut short keeps its finished cases and its run is listed once. Returns the new table."""
+    table = copy.deepcopy(base) if base is not None else json.loads(path.read_text())
     table["runs"].append(run)
     for key, entry in entries.items():
         table["tiles"][key] = {**entry, "run": len(table["runs"]) - 1}
@@ -262,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return triton.testing.do_bench(call, warmup=10, rep=30)
 
     entries = {}
+    base, record = json.loads(args.table.read_text()), run_record()
     with compile_pool(args.workers) as pool:
         for case in todo:
             if time.monotonic() > deadline:
@@ -269,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 break
             tiles_list = candidates(case.segment_class)
             rows = tune_case(case, tiles_list, device, timer, precompile(pool, case, tiles_list, target), deadline)
-            default = attention.launch_config(case.head_dim, case.dtype, target, case.max_seqlen)
+            # The heuristic's tiles, not launch_config's: those are an earlier run's entry where the table has one.
+            default = attention.heuristic_tiles(case.head_dim, case.dtype, target, case.max_seqlen)
             for row in rows:
                 tag = " (heuristic)" if is_default(row, default) else ""
                 timing = f"{row['ms']:.4f} ms" if row["ms"] is not None else f"skipped: {row['skipped']}"
@@ -279,10 +284,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if entry is not None:
                 key = attention.tile_key(target, case.head_dim, case.dtype, case.max_seqlen)
                 entries[key] = entry
-                print(f"chosen for {key}: {entry}", flush=True)
-    if entries:
-        merge_table(args.table, entries, run_record())
-        print(f"wrote {len(entries)} entries to {args.table}")
+                merge_table(args.table, entries, record, base)
+                print(f"chosen for {key}: {entry} (written to {args.table})", flush=True)
+    print(f"wrote {len(entries)} entries to {args.table}")
 
 
 if __name__ == "__main__":

@@ -242,17 +242,26 @@ def do_bench_timer(call: Callable[[], object]) -> float:
 
 
 def sweep(
-    cases: Sequence[Case], device: torch.device, dtype: torch.dtype, timer: Timer, budget_s: float, scale: float = 1.0
+    cases: Sequence[Case],
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: Timer,
+    budget_s: float,
+    scale: float = 1.0,
+    after_case: Callable[[list[Row], list[str]], None] | None = None,
 ) -> tuple[list[Row], list[str]]:
-    """Every case while the budget lasts; returns the rows and the names of the cases left unswept."""
+    """Every case while the budget lasts; returns the rows and the names of the cases left unswept.
+    ``after_case(rows, unswept)`` is called after each case with the rows so far and the cases not swept yet."""
     started = time.monotonic()
     rows, left = [], []
-    for case in cases:
+    for index, case in enumerate(cases):
         if time.monotonic() - started > budget_s:
             left.append(case.name)
             continue
         print(f"tune_rows: {case.name} ({len(case.candidates)} candidates)", flush=True)
         rows += sweep_case(case, device, dtype, timer, scale)
+        if after_case is not None:
+            after_case(rows, left + [later.name for later in cases[index + 1 :]])
     return rows, left
 
 
@@ -271,18 +280,23 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     if not torch.cuda.is_available():
         parser.error("the sweep times kernels on a CUDA GPU (--dry-run lists it without one)")
     device = torch.device("cuda")
-    rows, left = sweep(CASES, device, dtype, do_bench_timer, args.budget_s)
-    print(table(rows, dtype))
+
+    def after_case(rows: list[Row], unswept: list[str]) -> None:
+        # Each case's table and the JSON so far as soon as it is measured: a call cut by its time limit keeps them.
+        done = list(dict.fromkeys(r.case for r in rows))
+        print(table([r for r in rows if r.case == done[-1]], dtype), flush=True)
+        if args.json:
+            payload = {
+                "device": torch.cuda.get_device_name(device),
+                "dtype": args.dtype,
+                "rows": [asdict(r) for r in rows],
+                "left": unswept,
+            }
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+    rows, left = sweep(CASES, device, dtype, do_bench_timer, args.budget_s, after_case=after_case)
     if left:
         print(f"not swept (budget {args.budget_s:.0f} s): {', '.join(left)}")
-    if args.json:
-        payload = {
-            "device": torch.cuda.get_device_name(device),
-            "dtype": args.dtype,
-            "rows": [asdict(r) for r in rows],
-            "left": left,
-        }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return rows
 
 

@@ -70,6 +70,26 @@ def test_merged_table_is_what_launch_config_reads(tmp_path, monkeypatch):
     assert {k: config[k] for k in attention.TILE_KEYS} == {k: entry[k] for k in attention.TILE_KEYS}
 
 
+def test_a_sweep_writes_after_every_case_and_lists_its_run_once(tmp_path):
+    """merge_table with the table the sweep started from: each write holds every entry so far (a sweep cut short
+    keeps its finished cases) and the run once, and the keys of other runs stay."""
+    path = tmp_path / "tiles.json"
+    path.write_text(attention.TILE_TABLE_PATH.read_text())
+    base = json.loads(path.read_text())
+    run = {"device": "NVIDIA H100", "torch": "2.11", "triton": "3.6", "date": "2026-12-06"}
+    entry = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False, ms=1.0, tflops=1.0)
+    keys = [attention.tile_key(HOPPER, 72, torch.bfloat16, None), attention.tile_key(HOPPER, 80, torch.bfloat16, 64)]
+    entries = {}
+    for key in keys:
+        entries[key] = entry
+        table = tune.merge_table(path, entries, run, base)
+    assert json.loads(path.read_text()) == table and table["runs"] == [*base["runs"], run]
+    assert all(table["tiles"][key]["run"] == len(base["runs"]) for key in keys)
+    assert {key: table["tiles"][key] for key in base["tiles"] if key not in keys} == {
+        key: value for key, value in base["tiles"].items() if key not in keys
+    }
+
+
 def test_sweep_through_the_interpreter(monkeypatch):
     """The sweep's own path on tiny segments: every candidate checked against the reference on the timed and the
     ragged batch (and agreeing), timed by the stand-in timer, one skipped by the compile step, the rest after the

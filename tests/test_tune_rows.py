@@ -33,8 +33,16 @@ def test_sweep_checks_and_tables_every_candidate():
     interpreter runs each launch as the GPU would, so a candidate the kernels cannot take fails here); each case
     has its default once, the copy row last, and the table ranks them."""
     timings = iter(range(1, 10_000))
-    rows, left = tune_rows.sweep(tune_rows.CASES, CPU, torch.float16, lambda call: float(next(timings)), 1e9, 1 / 4096)
+    seen = []
+    rows, left = tune_rows.sweep(
+        tune_rows.CASES, CPU, torch.float16, lambda call: float(next(timings)), 1e9, 1 / 4096,
+        after_case=lambda rows, unswept: seen.append((len(rows), unswept)),
+    )  # fmt: skip
     assert left == []
+    # After each case: the rows so far (what a call cut short keeps) and the cases still to come.
+    names = [case.name for case in tune_rows.CASES]
+    assert [unswept for _, unswept in seen] == [names[i + 1 :] for i in range(len(names))]
+    assert seen[-1][0] == len(rows) and [n for n, _ in seen] == sorted({n for n, _ in seen})
     for case in tune_rows.CASES:
         mine = [r for r in rows if r.case == case.name]
         assert mine[0].default and sum(r.default for r in mine) == 1
