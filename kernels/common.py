@@ -551,6 +551,18 @@ def check_tensor(
         raise ValueError(f"{op}: {name} must have a contiguous last dimension, got strides {tensor.stride()}")
 
 
+def check_no_internal_overlap(op: str, name: str, tensor: torch.Tensor) -> None:
+    """Raise ValueError unless ``tensor``, which ``op`` writes in place, has no two elements at one address (an
+    expanded row, say), the check torch's own in-place ops make: a kernel writing such a tensor would apply the
+    op to those elements more than once. Reads sizes and strides only; called from the op's body, not its fake
+    (torch's overlap test needs concrete sizes)."""
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        raise ValueError(
+            f"{op}: {name} is written in place, so no two of its elements may share memory; got strides "
+            f"{tensor.stride()} for shape {tuple(tensor.shape)}"
+        )
+
+
 def check_dtype(op: str, name: str, tensor: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
     if tensor.dtype not in dtypes:
         expected = ", ".join(str(d).removeprefix("torch.") for d in dtypes)

@@ -49,11 +49,14 @@ __all__ = [
 
 def body(op: Callable) -> Callable:
     """``op``'s registered Python function where autograd has nothing to record, else ``op``; ``op`` itself where
-    torch.library keeps no function."""
+    torch.library keeps no function. An in-place op's body bumps the version counter of each tensor it writes, as
+    the op's ADInplaceOrView kernel does, so autograd still refuses a backward through a tensor it overwrote."""
     function = getattr(op, "_init_fn", None)
     if function is None:
         return op
     is_grad_enabled, any_requires_grad = torch.is_grad_enabled, torch._C._any_requires_grad
+    arguments = op._opoverload._schema.arguments
+    written = [(i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
 
     @functools.wraps(function)
     def call(*args, **kwargs):
@@ -61,7 +64,18 @@ def body(op: Callable) -> Callable:
             return op(*args, **kwargs)
         return function(*args, **kwargs)
 
-    return call
+    if not written:
+        return call
+    increment_version = torch._C._increment_version
+
+    @functools.wraps(function)
+    def call_in_place(*args, **kwargs):
+        if is_grad_enabled() and any_requires_grad(*args, *kwargs.values()):
+            return op(*args, **kwargs)
+        increment_version(tuple(args[i] if i < len(args) else kwargs[name] for i, name in written))
+        return function(*args, **kwargs)
+
+    return call_in_place
 
 
 add_layer_norm = body(_add_layer_norm)

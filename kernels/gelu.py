@@ -28,6 +28,7 @@ from .common import (
     backend_for,
     cached_config,
     cdiv,
+    check_no_internal_overlap,
     check_same_device,
     check_tensor,
     device_target,
@@ -179,7 +180,7 @@ def bias_gelu_launches(x, bias, y, approximate: str, target: GPUTarget) -> list[
     return [KernelLaunch(_bias_gelu_kernel, grid, args, config)]
 
 
-def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate: str, target: GPUTarget):
+def bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate: str) -> list[KernelLaunch]:
     """The launches of bias_gelu's backward for checked arguments: ``dx = grad_y * gelu'(x + bias)`` (x's
     shape and dtype) and its fp32 per-program column sums into ``partials`` ``(1, programs, F)``
     (:func:`~qvl.kernels.tiles.epilogue_backward_config`), then their reduction into ``dbias``. Mutates dx,
@@ -340,6 +341,7 @@ def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -
     :func:`bias_gelu` (which has one), instead of mutating ``x`` behind autograd's back; under
     ``torch.no_grad()`` or with inputs that need no grad it runs as before."""
     _check_bias_gelu_args("bias_gelu_", x, bias, approximate)
+    check_no_internal_overlap("bias_gelu_", "x", x)
     backend = backend_for(x.device)
     if backend == "torch":
         bias_gelu_torch_(x, bias, approximate)
@@ -378,10 +380,9 @@ def bias_gelu_backward(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # With no rows nothing is launched and the bias gradient is zeros.
     dbias = torch.empty_like(bias) if x.shape[0] else torch.zeros_like(bias)
-    target = device_target(x.device)
     programs = epilogue_backward_config(x.shape[0], x.shape[1])["programs"]
     partials = torch.empty((1, programs, x.shape[1]), dtype=torch.float32, device=x.device)
-    run_launches(bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, target), x.device)
+    run_launches(bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate), x.device)
     return dx, dbias
 
 

@@ -33,6 +33,7 @@ from .common import (
     backend_for,
     cached_config,
     cdiv,
+    check_no_internal_overlap,
     check_same_device,
     check_tensor,
     device_target,
@@ -378,6 +379,7 @@ def pos_embed_interp_add_(
     grad it runs as before.
     """
     _check_add_args("pos_embed_interp_add_", hidden_states, pos_embed, interp_indices, interp_weights)
+    check_no_internal_overlap("pos_embed_interp_add_", "hidden_states", hidden_states)
     backend = backend_for(hidden_states.device)
     if backend == "torch":
         pos_embed_interp_add_torch_(hidden_states, pos_embed, interp_indices, interp_weights)

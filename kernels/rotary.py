@@ -35,6 +35,7 @@ from .common import (
     backend_for,
     cached_config,
     cdiv,
+    check_no_internal_overlap,
     check_same_device,
     check_tensor,
     device_target,
@@ -271,8 +272,10 @@ def check_positions(
 
 
 def check_rope_head_dim(op: str, head_dim: int) -> None:
-    if head_dim % 4 != 0:
-        raise ValueError(f"{op}: rotary needs head_dim divisible by 4 (D/4 frequencies per axis), got {head_dim}")
+    if head_dim <= 0 or head_dim % 4 != 0:
+        raise ValueError(
+            f"{op}: rotary needs a positive head_dim divisible by 4 (D/4 frequencies per axis), got {head_dim}"
+        )
 
 
 def check_rope_theta(op: str, rope_theta: object) -> None:
@@ -453,6 +456,8 @@ def rotary_2d_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_t
     RuntimeError before mutating anything; use :func:`rotary_2d`, or ``vision_attn(..., positions=...)``.
     """
     _check_rotary_args("rotary_2d_", q, k, positions, rope_theta)
+    check_no_internal_overlap("rotary_2d_", "q", q)
+    check_no_internal_overlap("rotary_2d_", "k", k)
     if runs_torch(q.device):
         q_rot, k_rot = _rotate(q, k, positions, rope_theta, inverse=False)
         q.copy_(q_rot)

@@ -220,7 +220,7 @@ def bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target: GPUTarget) -> 
 
 
 def bias_swiglu_backward_launches(
-    grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target: GPUTarget
+    grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias
 ) -> list[KernelLaunch]:
     """The launches of bias_swiglu's backward for checked arguments: ``d_gate``, ``d_up`` (gate's shape and
     dtype) and their fp32 per-program column sums into ``partials`` ``(2, programs, F)``
@@ -359,11 +359,10 @@ def bias_swiglu_backward(
     # With no rows nothing is launched and the bias gradients are zeros.
     new_bias = torch.empty_like if gate.shape[0] else torch.zeros_like
     d_gate_bias, d_up_bias = new_bias(gate_bias), new_bias(up_bias)
-    target = device_target(gate.device)
     programs = epilogue_backward_config(gate.shape[0], gate.shape[1])["programs"]
     partials = torch.empty((2, programs, gate.shape[1]), dtype=torch.float32, device=gate.device)
     launches = bias_swiglu_backward_launches(
-        grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias, target
+        grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, d_gate_bias, d_up_bias
     )
     run_launches(launches, gate.device)
     return d_gate, d_up, d_gate_bias, d_up_bias

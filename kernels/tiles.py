@@ -104,8 +104,9 @@ def times_sigmoid(v, z):
 @cached_config
 def row_tiles(num_cols: int) -> dict:
     """The tiles of a row-wise elementwise epilogue over rows of ``num_cols``: up to 1024 columns and about
-    4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options."""
-    block_n = min(1024, next_power_of_2(num_cols))
+    4096 values per program (``BLOCK_M``, ``BLOCK_N``), 4 warps, and compile options. Rows of no columns get a
+    one-column tile (their launches are empty)."""
+    block_n = min(1024, next_power_of_2(max(num_cols, 1)))
     return dict(BLOCK_M=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4, **FMA_CONTRACTION)
 
 
@@ -176,7 +177,8 @@ def sum_partials_launch(partials: torch.Tensor, outs: tuple[torch.Tensor, ...]) 
         num_cols=num_cols,
         stride_pk=partials.stride(0),
     )
-    return KernelLaunch(_sum_partials_kernel, grid, args, dict(BLOCK_P=32, BLOCK_C=block_c, num_warps=4))
+    options = dict(BLOCK_P=32, BLOCK_C=block_c, num_warps=4, **FMA_CONTRACTION)
+    return KernelLaunch(_sum_partials_kernel, grid, args, options)
 
 
 def last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

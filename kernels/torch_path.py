@@ -10,6 +10,10 @@ path reads the segment bounds on the host), so a compiled tower still has one gr
 
 Where the ops' references are already as fast as plain torch gets (RMSNorm, SwiGLU) the torch path is the reference
 itself.
+
+These functions skip the ops' argument checks (shapes, dtypes, index ranges): their callers are qvl's own layers,
+which build every argument, and checks a compiled forward traced would be guards and host reads. Code of one's own
+should call ``torch.ops.qvl``, whose entry checks every argument and raises ValueError / TypeError naming it.
 """
 
 from __future__ import annotations

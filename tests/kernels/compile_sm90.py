@@ -146,7 +146,7 @@ def bias_gelu_backward(num_cols, approximate):
     x, grad_y, dx = (torch.empty(TOKENS, num_cols, dtype=BF16) for _ in range(3))
     bias, dbias = torch.empty(2, num_cols, dtype=BF16)
     partials = epilogue_partials(TOKENS, num_cols, 1)
-    return bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate, HOPPER)
+    return bias_gelu_backward_launches(grad_y, x, bias, dx, partials, dbias, approximate)
 
 
 def bias_swiglu_backward(num_cols):
@@ -156,7 +156,7 @@ def bias_swiglu_backward(num_cols):
     partials = epilogue_partials(TOKENS, num_cols, 2)
     return bias_swiglu_backward_launches(
         grad_y, gate_up[:, :num_cols], gate_up[:, num_cols:], gate_bias, up_bias, d_gate, d_up, partials,
-        d_gate_bias, d_up_bias, HOPPER,
+        d_gate_bias, d_up_bias,
     )  # fmt: skip
 
 

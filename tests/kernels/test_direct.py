@@ -106,6 +106,28 @@ def test_bodies_check_their_arguments():
         direct.bias_gelu(x, bias.half(), "none")
 
 
+def test_in_place_bodies_bump_the_version_as_the_ops_do():
+    """A tensor autograd saved, overwritten in place by a body with grad mode on (nothing of the call itself
+    requiring grad): the backward refuses, as it does after the op, instead of using the new values."""
+    weight = torch.randn(8, device=DEVICE, requires_grad=True)
+    bias = torch.randn(8, device=DEVICE)
+    for in_place in (torch.ops.qvl.bias_gelu_, direct.bias_gelu_):
+        x = torch.randn(4, 8, device=DEVICE)
+        loss = (x * weight).sum()
+        version = x._version
+        in_place(x, bias, "none")
+        assert x._version > version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    table = torch.randn(9, 8, device=DEVICE)
+    hidden = torch.randn(4, 8, device=DEVICE)
+    indices = torch.zeros(4, 4, dtype=torch.int32, device=DEVICE)
+    weights = torch.full((4, 4), 0.25, device=DEVICE)
+    version = hidden._version
+    direct.pos_embed_interp_add_(hidden, table, interp_indices=indices, interp_weights=weights)
+    assert hidden._version > version
+
+
 def test_compiled_callers_see_the_ops():
     """Traced, ops_for's choice is the custom ops: a fullgraph compile of an inference step on the Triton path
     (which could not trace a body's launch) holds one graph and gives the eager bits."""

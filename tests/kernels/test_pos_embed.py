@@ -236,6 +236,17 @@ def test_bad_hidden_states(hidden, error, pattern):
         torch.ops.qvl.pos_embed_interp_add_(hidden, make_table(16, torch.float32, "cpu"), indices, weights)
 
 
+def test_add_refuses_hidden_states_that_overlap_themselves():
+    """An expanded row: the blend would be added to it once per row. Refused on every path, as torch's in-place
+    ops refuse it."""
+    indices, weights = plan([(1, 2, 2)], "cpu")
+    hidden = torch.zeros(1, 16).expand(4, 16)
+    for path in ("torch", "reference", None):
+        with force_backend(path) if path else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=r"hidden_states is written in place"):
+                torch.ops.qvl.pos_embed_interp_add_(hidden, make_table(16, torch.float32, "cpu"), indices, weights)
+
+
 def test_mixed_devices():
     indices, weights = plan([(1, 2, 2)], "cpu")
     table = make_table(16, torch.float32, "cpu")

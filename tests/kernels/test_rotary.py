@@ -1,6 +1,8 @@
 """torch.ops.qvl.rotary_2d / rotary_2d_ against transformers' Qwen3-VL vision rotary embedding; rotary_2d's
 backward against float64 autograd (its compiled backward: tests/kernels/test_attention_backward.py)."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import Qwen3VLVisionConfig
@@ -171,6 +173,16 @@ def test_in_place_refuses_autograd_before_mutating():
     assert torch.equal(q_in_place, expected[0])
 
 
+def test_in_place_refuses_a_tensor_that_overlaps_itself():
+    """q's two heads one head expanded: rotating each would rotate that memory twice. Refused on every path."""
+    positions = torch.zeros(8, 2, dtype=torch.int32)
+    q, k = torch.randn(8, 1, 72).expand(8, 2, 72), torch.randn(8, 2, 72)
+    for path in ("torch", "reference", None):
+        with force_backend(path) if path else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=r"rotary_2d_: q is written in place"):
+                torch.ops.qvl.rotary_2d_(q, k, positions)
+
+
 @pytest.mark.parametrize(
     "mutate, error, words",
     [
@@ -183,6 +195,7 @@ def test_in_place_refuses_autograd_before_mutating():
         (lambda a: {**a, "positions": -a["positions"] - 1}, ValueError, "positions must be non-negative"),
         (lambda a: {**a, "rope_theta": 1.0}, ValueError, "rope_theta"),
         (lambda a: {**a, "q": a["q"][..., :70], "k": a["k"][..., :70]}, ValueError, "divisible by 4"),
+        (lambda a: {**a, "q": a["q"][..., :0], "k": a["k"][..., :0]}, ValueError, "positive head_dim"),
     ],
 )
 def test_bad_input(mutate, error, words):

@@ -87,9 +87,7 @@ def test_launches_move_rows_in_the_widest_vectors_the_layout_allows(num_cols, ve
     d_biases = torch.empty(2, num_cols, dtype=torch.bfloat16)
     target = device_target(gate.device)
     forward, *_ = bias_swiglu_launches(gate, up, gate_bias, up_bias, y, target)
-    backward, _ = bias_swiglu_backward_launches(
-        grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, *d_biases, target
-    )
+    backward, _ = bias_swiglu_backward_launches(grad_y, gate, up, gate_bias, up_bias, d_gate, d_up, partials, *d_biases)
     for launch in (forward, backward):
         shifts = [launch.kwargs[f"SHIFT_{name}"] for name in ("GATE", "UP", "GATE_BIAS", "UP_BIAS")]
         assert (launch.kwargs["VEC"], shifts) == (vector, [0, up_shift, 0, up_shift])
@@ -138,6 +136,13 @@ def test_empty_rows(backend, device):
     x = torch.empty(0, 72, device=device)
     bias = torch.zeros(72, device=device)
     assert torch.ops.qvl.bias_swiglu(x, x, bias, bias).shape == (0, 72)
+
+
+def test_zero_columns_backward(backend, device):
+    gate, up = (torch.empty(4, 0, device=device, requires_grad=True) for _ in range(2))
+    gate_bias, up_bias = (torch.empty(0, device=device, requires_grad=True) for _ in range(2))
+    torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias).sum().backward()
+    assert gate.grad.shape == up.grad.shape == (4, 0) and gate_bias.grad.shape == up_bias.grad.shape == (0,)
 
 
 def test_opcheck(device):
@@ -266,7 +271,7 @@ def test_guard_bands(dtype, layout, device):
     grads = [d_gate, d_up, d_gate_bias, d_up_bias]
     run_launches(
         bias_swiglu_launches(*inputs, y, target)
-        + bias_swiglu_backward_launches(grad_y, *inputs, d_gate, d_up, partials, d_gate_bias, d_up_bias, target),
+        + bias_swiglu_backward_launches(grad_y, *inputs, d_gate, d_up, partials, d_gate_bias, d_up_bias),
         gate.device,
     )
     assert_clean(*inputs, grad_y, y, *grads, partials)
