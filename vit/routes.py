@@ -1,13 +1,16 @@
 """What qvl's routes inside a serving engine did in this process: how many forwards each took, and how each tower it
 took over runs. One :class:`RouteLog` per engine plugin (:mod:`qvl.vit.vllm_routes`, :mod:`qvl.vit.sglang_plugin`);
-the engines' test helpers read them in the engine's worker processes, where the calls happen."""
+the engines' test helpers read them in the engine's worker processes, where the calls happen. Also what both
+engines' attention routes share: their switch, and the tile hint read from the engine's ``max_seqlen``."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-__all__ = ["ROUTES", "SWITCH_MODES", "RouteLog", "read_switch", "switch_mode"]
+import torch
+
+__all__ = ["ROUTES", "SWITCH_MODES", "RouteLog", "host_tile_hint", "read_switch", "switch_mode"]
 
 # The routes a log counts: calls taken by qvl, and calls left to the engine's own code.
 ROUTES = ("attention", "attention_fallback", "tower", "tower_fallback")
@@ -39,6 +42,19 @@ def read_switch(variable: str, state: dict, logger, engine: str) -> str | None:
         logger.info("qvl: off (%s=%s); %s runs unchanged", variable, value, engine)
         return None
     return mode
+
+
+def host_tile_hint(max_seqlen, tracing: bool) -> int | None:
+    """An engine's ``max_seqlen`` as ``vision_attn``'s tile hint (short windows get short tiles), when it is a
+    positive host value: vLLM and SGLang keep it a Python int or a CPU scalar (vLLM fills it for its flash, triton
+    and flashinfer backends, 0 otherwise), so reading it costs no device sync. None for anything else, and while
+    torch.compile traces, where reading a tensor would break the graph."""
+    if isinstance(max_seqlen, int):
+        return max_seqlen if max_seqlen > 0 else None
+    if tracing or not isinstance(max_seqlen, torch.Tensor) or max_seqlen.device.type != "cpu":
+        return None
+    value = int(max_seqlen)
+    return value if value > 0 else None
 
 
 class RouteLog:

@@ -28,7 +28,7 @@ import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 from qvl.kernels.common import FLOAT_DTYPES
 
-from .routes import RouteLog
+from .routes import RouteLog, host_tile_hint
 
 __all__ = ["QvlVisionBackend", "attach", "layer_mismatch"]
 
@@ -140,24 +140,17 @@ def _segments(q: torch.Tensor, bsz: int, cu_seqlens, forward_metadata, max_seqle
     host, the longest segment (no device sync is made for it)."""
     if forward_metadata is not None:
         return forward_metadata.cu_seqlens, forward_metadata.max_seqlen
-    if isinstance(cu_seqlens, list):  # SGLang's ViT CUDA graphs: [cu_seqlens, seq_lens, max_seqlen]
-        cu_seqlens, max_seqlen = cu_seqlens[0], cu_seqlens[2]
+    if isinstance(cu_seqlens, list):
+        # SGLang's ViT CUDA graphs: [cu_seqlens, seq_lens, max_seqlen] for the layer's original backend triton_attn,
+        # [cu_seqlens, max_seqlen] for fa3 / fa4 (the graph runner reads the name before qvl replaces it).
+        cu_seqlens, max_seqlen = cu_seqlens[0], cu_seqlens[-1]
     elif cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):  # SingletonCache
         cu_seqlens = cu_seqlens.get_data()
     if cu_seqlens is None:  # bsz sequences of one length
         seq_len = q.shape[0] // bsz
         return torch.arange(0, q.shape[0] + 1, seq_len, dtype=torch.int32, device=q.device), seq_len
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32, non_blocking=True)
-    return cu_seqlens, _host_int(max_seqlen, tracing)
-
-
-def _host_int(value, tracing: bool) -> int | None:
-    if isinstance(value, int):
-        return value if value > 0 else None
-    if tracing or not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-        return None
-    value = int(value)
-    return value if value > 0 else None
+    return cu_seqlens, host_tile_hint(max_seqlen, tracing)
 
 
 def attach(model: nn.Module, routes: RouteLog) -> tuple[int, dict[str, int]]:

@@ -87,10 +87,16 @@ def apply(model, hf_config=None) -> dict:
     reads; None: attention route only), as the plugin does after SGLang loads a model; returns what it did (an
     entry of :func:`state`'s ``models``). Idempotent per layer and tower. Never raises: a route that fails leaves
     SGLang's code and is logged."""
-    from . import sglang_attention, sglang_tower
-
     mode = _state["mode"] or switch_mode(SWITCH) or "off"
     done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None, "cpu": None}
+    try:
+        from . import sglang_attention, sglang_tower
+    except Exception as error:  # an SGLang (or a Triton) the routes cannot import next to must still serve
+        reason = f"qvl's SGLang routes did not import ({type(error).__name__}: {error})"
+        done.update(attention_left={reason: -1}, tower=reason)
+        _state["models"].append(done)
+        logger.warning("qvl: SGLang's own vision code runs for %s: %s", done["model"], reason)
+        return done
     family = sglang_tower.ARCHITECTURES.get(type(model).__name__)
     aside = f"{SWITCH}={mode}" if mode == "off" else _cpu_step_aside(model)
     if aside is not None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
@@ -64,7 +63,10 @@ def tower_mismatch(model: nn.Module, hf_config, family: Family, split: str | Non
     visual = getattr(model, "visual", None)
     if visual is None:
         return "the model has no vision tower in this process"
-    if os.environ.get(CUDA_GRAPH_SWITCH, "").strip().lower() in ("1", "true", "yes", "on"):
+    from sglang.srt.environ import envs
+
+    # Read as SGLang reads it (its own parser: "1", "true", "yes", "y", any case).
+    if getattr(envs, CUDA_GRAPH_SWITCH).get():
         return f"{CUDA_GRAPH_SWITCH} (SGLang's ViT CUDA graphs run its own tower forward)"
     names = family.sglang_names or family.names
     _, config = config_from_hf(hf_config)

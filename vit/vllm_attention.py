@@ -34,6 +34,7 @@ from qvl.kernels.attention import MAX_HEAD_DIM
 from qvl.kernels.common import FLOAT_DTYPES
 
 from .cpu_path import cpu_route_decision
+from .routes import host_tile_hint
 from .vllm_routes import count
 
 __all__ = ["QvlEncoderAttention", "cpu_step_aside", "install"]
@@ -133,21 +134,9 @@ class QvlEncoderAttention(MMEncoderAttention):
             cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=query.device)
             hint = seq_len
         else:
-            hint = _host_max_seqlen(max_seqlen, tracing)
+            hint = host_tile_hint(max_seqlen, tracing)
         out = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, max_seqlen=hint, softmax_scale=self.scale)
         return out.view(query.shape)
-
-
-def _host_max_seqlen(max_seqlen, tracing: bool) -> int | None:
-    """vLLM's ``max_seqlen`` as the op's tile hint (short windows get short tiles), when it is a positive host
-    value: vLLM keeps it a CPU scalar (filled for its flash/triton/flashinfer backends, 0 otherwise), so reading
-    it costs no device sync. Not while torch.compile traces, where reading a tensor would break the graph."""
-    if isinstance(max_seqlen, int):
-        return max_seqlen if max_seqlen > 0 else None
-    if tracing or not isinstance(max_seqlen, torch.Tensor) or max_seqlen.device.type != "cpu":
-        return None
-    value = int(max_seqlen)
-    return value if value > 0 else None
 
 
 def install() -> None:

@@ -25,8 +25,9 @@ replays qvl's forward on qvl's buffers (:class:`QvlTowerForward`); in data mode 
 ranks itself, as for vLLM's tower. With ``compile_mm_encoder`` on, the device part of the forward is compiled once
 with its token dim dynamic (and captured compiled).
 
-What stays vLLM's: quantized towers, pipeline stages without the tower and towers whose shape qvl's forward does
-not match (one log line each, at model build).
+What stays vLLM's: quantized towers, towers with LoRA adapters (``enable_tower_connector_lora``), fp8 encoder
+attention, pipeline stages without the tower and towers whose shape qvl's forward does not match (one log line each,
+at model build).
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def tower_mismatch(visual: nn.Module | None, vllm_config, family: Family, split:
         return "the model has no vision tower in this process"
     if vllm_config.quant_config is not None:
         return f"quantized weights ({vllm_config.quant_config.get_name()})"
+    lora_config = getattr(vllm_config, "lora_config", None)
+    if getattr(lora_config, "enable_tower_connector_lora", False):
+        # vLLM wraps the tower's linears in LoRA layers after the model is built and adds the adapters in their
+        # forward, which qvl's products (through the layers' quant_method) would skip.
+        return "LoRA on the tower (enable_tower_connector_lora)"
+    multimodal_config = getattr(vllm_config.model_config, "multimodal_config", None)
+    if getattr(multimodal_config, "mm_encoder_attn_dtype", None) == "fp8":
+        return "fp8 encoder attention (mm_encoder_attn_dtype='fp8')"
     names = family.vllm_names or family.names
     try:
         _, config = config_from_hf(vllm_config.model_config.hf_config)
@@ -185,7 +194,12 @@ def attach(model: nn.Module, vllm_config, family: Family) -> None:
 
 
 def _encoder_graphs_on(vllm_config) -> bool:
-    return bool(getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False))
+    """Whether vLLM will run the tower in its encoder CUDA graphs: asked for (``cudagraph_mm_encoder``) and CUDA
+    graphs not off (``cudagraph_mode`` NONE, which ``enforce_eager`` sets): vLLM makes its graph manager only when
+    it captures."""
+    compilation_config = vllm_config.compilation_config
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    return bool(getattr(compilation_config, "cudagraph_mm_encoder", False)) and getattr(mode, "name", "NONE") != "NONE"
 
 
 def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | None, graphs: bool):
@@ -255,11 +269,12 @@ class QvlTowerForward(EngineTowerForward):
     def capture_values(self, token_budget: int, max_segments: int) -> dict[str, torch.Tensor]:
         """The static buffers of a graph for ``token_budget`` merged tokens in at most ``max_segments`` frames:
         ``token_budget * m**2`` zero pixel rows and the metadata of pad frames filling them (:mod:`qvl.vit.graphs`),
-        the offsets as long as any batch of the budget needs."""
+        the offsets as long as any batch of the budget needs: ``max_segments``, at most ``token_budget`` (a frame
+        holds one merged token or more), since every slot costs each attention launch one program per head."""
         runner = self.runner
         merge = runner.config.spatial_merge_size
         tokens = token_budget * merge * merge
-        slots = max(1, max_segments)
+        slots = max(1, min(max_segments, token_budget))
         grid = pad_grid(np.zeros((0, 3), dtype=np.int64), tokens, merge, slots)
         values = self._values(runner.metadata(grid))
         values["cu_seqlens"] = pad_offsets(values["cu_seqlens"], slots + 1)
@@ -270,15 +285,17 @@ class QvlTowerForward(EngineTowerForward):
         return values
 
     def replay_values(self, pixel_values: torch.Tensor, grid_thw) -> dict[str, torch.Tensor]:
-        """A batch's buffers (``grid_thw``: list or CPU tensor), as long as the batch: vLLM pads them."""
+        """A batch's buffers (``grid_thw``: list or CPU tensor), as long as the batch: vLLM pads them. Counted
+        as a tower forward (vLLM replays a graph for every batch it calls this for)."""
+        count("tower")
         grid = grid_as_numpy(grid_thw)
         check_grid(grid, self.runner.config.spatial_merge_size)
         return {**self._values(self.runner.metadata(grid)), "pixel_values": pixel_values}
 
     def graph_forward(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """The device part on a graph's buffers, in vLLM's layout (what vLLM captures). The tile hint is the
-        buffers' token count, which no segment exceeds."""
-        count("tower")
+        buffers' token count, which no segment exceeds. Runs at capture (and warm-up) only: the replays of a
+        batch are counted by :meth:`replay_values`."""
         pixels = values["pixel_values"]
         fields = {name: values.get(name) for name in DeviceInputs._fields if name != "max_seqlen"}
         merge = self.runner.config.spatial_merge_size

@@ -5,10 +5,12 @@ switches."""
 
 import contextlib
 import logging
+import sys
 
 import pytest
 import torch
 
+import qvl.vit
 from bench.sglang_inprocess import sglang_model_of, sglang_world
 from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
 from qvl.vit.engine_tower import EngineTowerForward
@@ -104,8 +106,8 @@ class _Model(torch.nn.Module):
 
 
 def test_backend_takes_sglang_call_forms():
-    """Token offsets as a tensor, as SGLang's SingletonCache, as the ViT CUDA graphs' list, and equal-length batches
-    without any; every form gives SGLang's sdpa result."""
+    """Token offsets as a tensor, as SGLang's SingletonCache, as the ViT CUDA graphs' lists (triton_attn's three
+    items, fa3's and fa4's two), and equal-length batches without any; every form gives SGLang's sdpa result."""
     from sglang.srt.layers.attention.vision import SingletonCache
 
     layer = attention_layer()
@@ -117,7 +119,7 @@ def test_backend_takes_sglang_call_forms():
     cache = SingletonCache()
     cache.set_data(cu_seqlens)
     expected = sdpa(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=cu_seqlens)
-    for form in (cu_seqlens, cache, [cu_seqlens, cu_seqlens.diff(), 28]):
+    for form in (cu_seqlens, cache, [cu_seqlens, cu_seqlens.diff(), 28], [cu_seqlens, 28]):
         out = layer.qkv_backend(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=form)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     equal = torch.tensor([0, 20, 40], dtype=torch.int32)
@@ -150,15 +152,32 @@ def test_layers_qvl_does_not_cover_keep_their_backend():
     assert grouped.qkv_backend_name == "sdpa"
 
 
-def test_tower_route_steps_aside_for_vit_cuda_graphs(monkeypatch):
+@pytest.mark.parametrize("switch", ["1", "Y"])
+def test_tower_route_steps_aside_for_vit_cuda_graphs(monkeypatch, switch):
+    """Wherever SGLang reads its switch as on (its parser takes "y" too), its graphs run its own tower forward."""
     hf_vision = hf_vision_model(seed=1, **SIZES)
     model = sglang_model_of(hf_vision, torch.float32)
-    monkeypatch.setenv(sglang_tower.CUDA_GRAPH_SWITCH, "1")
+    monkeypatch.setenv(sglang_tower.CUDA_GRAPH_SWITCH, switch)
     with mode("all"):
         done = sglang_plugin.apply(model, hf_vision.config)
     assert done["tower"].startswith(sglang_tower.CUDA_GRAPH_SWITCH)
     assert not isinstance(model.visual.forward, EngineTowerForward)
     assert done["attention_layers"] == len(model.visual.blocks)
+
+
+def test_tower_route_steps_aside_for_norms_with_a_bias_it_would_read_as_rmsnorm():
+    """SGLang's own LayerNorm (its AMX CPU engine's tower norm) has a variance_epsilon like an RMSNorm, and a bias:
+    the runner, which reads every norm but torch's LayerNorm as an RMSNorm, must not take that tower."""
+    from sglang.srt.layers.layernorm import LayerNorm
+
+    hf_vision = hf_vision_model(seed=1, **SIZES)
+    model = sglang_model_of(hf_vision, torch.float32)
+    block = model.visual.blocks[0]
+    block.norm1 = LayerNorm(block.norm1.weight.shape[0])
+    with mode("all"):
+        done = sglang_plugin.apply(model, hf_vision.config)
+    assert done["tower"] == "norms other than torch's LayerNorm or an RMSNorm (without bias)"
+    assert not isinstance(model.visual.forward, EngineTowerForward)
 
 
 def test_empty_batch():
@@ -240,6 +259,19 @@ def test_routes_step_aside_on_a_cpu_where_qvl_was_not_measured_faster(monkeypatc
     with mode("all"):
         done = sglang_plugin.apply(model, hf_vision.config)
     assert done["tower"] == "qvl" and done["cpu"] is None
+
+
+def test_routes_that_do_not_import_leave_sglang_serving(monkeypatch):
+    """apply never raises: routes whose modules fail to import (an SGLang or Triton they do not know) leave the
+    model to SGLang, with the reason."""
+    hf_vision = hf_vision_model(seed=1, **SIZES)
+    model = sglang_model_of(hf_vision, torch.float32)
+    monkeypatch.delattr(qvl.vit, "sglang_attention", raising=False)
+    monkeypatch.setitem(sys.modules, "qvl.vit.sglang_attention", None)
+    with mode("all"):
+        done = sglang_plugin.apply(model, hf_vision.config)
+    assert done["tower"].startswith("qvl's SGLang routes did not import (ModuleNotFoundError")
+    assert done["attention_layers"] == 0 and not isinstance(model.visual.forward, EngineTowerForward)
 
 
 def test_switch_off_in_apply_changes_nothing():

@@ -131,11 +131,12 @@ def test_compiles_whole_without_recompiles():
 def test_vllm_max_seqlen_becomes_the_tile_hint():
     """Qwen2.5-VL's windows with vLLM's CPU-side max_seqlen (its flash backends fill it): the op gets it as its
     tile hint (64-token windows run on 64-row tiles) and the result is unchanged by the tolerance rule."""
-    from qvl.vit.vllm_attention import _host_max_seqlen
+    from qvl.vit.routes import host_tile_hint
 
-    assert _host_max_seqlen(torch.tensor(64, dtype=torch.int32), tracing=False) == 64
-    assert _host_max_seqlen(torch.tensor(0), tracing=False) is None  # vLLM's CPU backend leaves it 0
-    assert _host_max_seqlen(torch.tensor(64), tracing=True) is None
+    assert host_tile_hint(torch.tensor(64, dtype=torch.int32), tracing=False) == 64
+    assert host_tile_hint(torch.tensor(0), tracing=False) is None  # vLLM's CPU backend leaves it 0
+    assert host_tile_hint(torch.tensor(64), tracing=True) is None
+    assert host_tile_hint(64, tracing=True) == 64 and host_tile_hint(0, tracing=False) is None
     windows = [64, 16, 0, 48, 1, 64]
     qvl_layer, vllm_layer = layers(2, 80, torch.float16)
     q, k, v = vllm_qkv(sum(windows), 2, 80, torch.float16, seed=5)

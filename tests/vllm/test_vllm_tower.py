@@ -116,17 +116,21 @@ def test_encoder_cuda_graph_buffers_give_the_batch_features(name):
     captured = tower.capture_values(64, 8)
     assert captured["pixel_values"].shape == (256, tower.runner.config.patch_dim)
     assert captured["cu_seqlens"].shape == (9,)
+    # No batch of 16 merged tokens has more than 16 frames: more slots would only add empty attention programs.
+    assert tower.capture_values(16, 64)["cu_seqlens"].shape == (17,)
     before = vllm_routes.route_counts()["tower"]
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         assert tower.graph_forward(dict(captured)).shape[0] == 64
+        replay = tower.replay_values(pixel_values, torch.tensor(grid))
         for key, buffer in captured.items():
             copy_in = config.padding_logics.get(key, EncoderCudaGraphManager._copy_padded_buffer)
-            copy_in(buffer, tower.replay_values(pixel_values, torch.tensor(grid))[key])
+            copy_in(buffer, replay[key])
         offsets = captured["cu_seqlens"]
         assert bool((offsets[1:] >= offsets[:-1]).all()) and int(offsets[-1]) == pixel_values.shape[0]
         out = tower.graph_forward(captured)[: pixel_values.shape[0] // 4]
         baseline = vllm_forward(pixel_values, grid_thw=grid)
-    assert vllm_routes.route_counts()["tower"] == before + 2
+    # One batch replayed: counted once (the capture's run is not a forward of a batch).
+    assert vllm_routes.route_counts()["tower"] == before + 1
     assert_error_within(out, truth, baseline, what=f"{name} through vLLM's encoder graph buffers")
 
 
@@ -169,6 +173,7 @@ def test_data_mode_under_encoder_graphs_leaves_the_split_to_vllm(monkeypatch):
     model.use_data_parallel = True
     config = model_config_of(hf_model.config)
     config.compilation_config.cudagraph_mm_encoder = True
+    config.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
     monkeypatch.setattr(vllm_tower, "get_tensor_model_parallel_world_size", lambda: 2)
     vllm_tower.attach(model, config, family_of(hf_model.config.model_type))
     forward = model.visual.forward
@@ -180,6 +185,19 @@ def test_data_mode_under_encoder_graphs_leaves_the_split_to_vllm(monkeypatch):
         "compiled": False,
         "encoder_graphs": True,
     }
+
+
+def test_encoder_graphs_count_only_where_vllm_captures():
+    """vLLM makes its encoder graph manager only when it captures CUDA graphs at all: cudagraph_mm_encoder under
+    cudagraph_mode NONE (what enforce_eager sets) leaves the tower eager, and qvl's own data-mode split with it."""
+    from vllm.config import CUDAGraphMode
+
+    def config(asked, mode):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mm_encoder=asked, cudagraph_mode=mode))
+
+    assert vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.FULL_AND_PIECEWISE))
+    assert not vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.NONE))
+    assert not vllm_tower._encoder_graphs_on(config(False, CUDAGraphMode.FULL_AND_PIECEWISE))
 
 
 def test_mismatches_leave_vllm_tower():
@@ -194,6 +212,12 @@ def test_mismatches_leave_vllm_tower():
     other_act = copy.deepcopy(hf_model.config)
     other_act.hidden_act = "prelu"  # learned: qvl does not load its weight (silu, relu, ... now run on qvl)
     assert "hidden_act" in vllm_tower.tower_mismatch(visual, model_config_of(other_act), family)
+    lora = model_config_of(hf_model.config)
+    lora.lora_config = SimpleNamespace(enable_tower_connector_lora=True)
+    assert "LoRA on the tower" in vllm_tower.tower_mismatch(visual, lora, family)
+    fp8 = model_config_of(hf_model.config)
+    fp8.model_config.multimodal_config = SimpleNamespace(mm_encoder_attn_dtype="fp8")
+    assert "fp8 encoder attention" in vllm_tower.tower_mismatch(visual, fp8, family)
     visual.blocks[1].norm2 = torch.nn.RMSNorm(visual.hidden_size)
     assert "LayerNorm" in vllm_tower.tower_mismatch(visual, config, family)
     model = SimpleNamespace(visual=visual, use_data_parallel=False)
