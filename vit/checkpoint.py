@@ -48,11 +48,14 @@ class CheckpointError(ValueError):
 def _read_json(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            values = json.load(handle)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path}: unreadable ({error})") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(values).__name__}")
+    return values
 
 
 def vision_shards(weight_map: dict[str, str]) -> list[str]:
@@ -112,7 +115,10 @@ def read_config(path: str | os.PathLike) -> dict:
     """A checkpoint directory's config.json; raises :class:`CheckpointError` naming the directory or file."""
     directory = Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
+        hint = ""
+        if not directory.exists() and len(directory.parts) == 2:
+            hint = " (a Hugging Face Hub id? qvl.vit.hub.resolve_model fetches its vision tower into the cache)"
+        raise CheckpointError(f"{directory}: not a directory{hint}")
     return _read_json(directory / "config.json")
 
 

@@ -94,7 +94,8 @@ Qwen3-VL (Qwen3.5, Qwen3-Omni): mean = std = 0.5, images 256^2 to 4096^2 pixels;
 CLIP's mean and std, images 56^2 to 1280 * 28^2 pixels.
 
 video files (.mp4 .webm .mkv .mov .avi .m4v as positional inputs; any file with --video) are decoded
-with PyAV (pip install av) to RGB and sampled as the family's video processor samples: n = frames / video_fps
+with PyAV (pip install av) to RGB and sampled as the family's video processor samples (Qwen2-VL's and
+Qwen2.5-VL's as theirs do with do_sample_frames on; they keep every frame by default): n = frames / video_fps
 * --fps, clamped to [min_frames, --max-frames] and to the frame count; Qwen3-VL: int(n) frames at
 round(linspace(0, frames - 1, n)); Qwen2-VL / Qwen2.5-VL: n rounded down to whole temporal patches, frames at
 arange(0, frames, frames / n) truncated. Frame folders are used whole (they have no frame rate).
@@ -406,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fps",
         type=_positive_float,
         metavar="F",
-        help="frames sampled per second of a video file (default: the checkpoint's video processor's; "
-        f"transformers' default {QWEN3_VL_VIDEO_FPS:g})",
+        help="frames sampled per second of a video file (default: the checkpoint's video processor's, else "
+        f"{QWEN3_VL_VIDEO_FPS:g}, Qwen3-VL's video processor's default, for every family)",
     )
     encode.add_argument(
         "--max-frames",
@@ -432,7 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     encode.add_argument("--compile", action="store_true", help="torch.compile the tower's forward")
     encode.add_argument(
-        "--dtype", choices=sorted(_DTYPES), help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)"
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="compute dtype (default: bfloat16 on a GPU with bf16 math, Ampere on; float16 on an older one; "
+        "float32 on CPU)",
     )
     encode.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available)")
     encode.add_argument(
@@ -492,7 +496,16 @@ def _resolve_device(name: str | None) -> torch.device:
         raise CliError(f"--device {name}: {error}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CliError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def _default_dtype(device: torch.device) -> str:
+    """bf16 on a GPU that computes in it (Ampere and later), fp16 on an older one, fp32 on a CPU."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def _check_output(path: Path) -> None:
@@ -646,7 +659,7 @@ def _encode(args: argparse.Namespace, device: torch.device) -> int:
     from .parallel import is_main_rank
 
     log = _log if is_main_rank() else _quiet
-    dtype = _DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = _DTYPES[args.dtype or _default_dtype(device)]
     try:
         backend = backend_for(device)
     except (RuntimeError, ValueError) as error:
@@ -735,5 +748,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"qvl: error: {str(error).replace(chr(10), ' ')}", file=sys.stderr)
         return EXIT_USAGE
     except torch.OutOfMemoryError:
-        print("qvl: error: out of memory while encoding; lower --batch-size or --max-pixels", file=sys.stderr)
+        print(
+            "qvl: error: out of memory (loading the tower or encoding); lower --batch-size or --max-pixels, or pick a"
+            " 16-bit --dtype",
+            file=sys.stderr,
+        )
         return EXIT_RUNTIME

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Protocol
 
@@ -108,6 +109,30 @@ class TowerShape:
     """The widths every tower config derives alike from its fields (``hidden_size``, ``num_heads``,
     ``spatial_merge_size``, ``in_channels``, ``temporal_patch_size``, ``patch_size``)."""
 
+    # The integer sizes every tower config has; a config.json may hold anything in their place.
+    SIZE_FIELDS = (
+        "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+        "temporal_patch_size", "spatial_merge_size", "in_channels",
+    )  # fmt: skip
+
+    def _check_sizes(self) -> None:
+        """Raise TypeError / ValueError naming the field unless every size is an int >= 1 and the heads are
+        ``head_dim`` wide, a multiple of 4 (the 2D rotary's four quarters) and at most the attention kernel's
+        limit."""
+        name = type(self).__name__
+        for field in self.SIZE_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name}: {field} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name}: {field} must be >= 1, got {value}")
+        head_dim, remainder = divmod(self.hidden_size, self.num_heads)
+        if remainder or head_dim % 4 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name}: hidden_size {self.hidden_size} over num_heads {self.num_heads} must give a head_dim that"
+                f" is a multiple of 4 and at most {MAX_HEAD_DIM}"
+            )
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
@@ -127,6 +152,8 @@ class TowerShape:
 class VisionConfig(TowerShape):
     """The shape of a Qwen3-VL vision tower (defaults: Qwen3-VL-8B)."""
 
+    SIZE_FIELDS = (*TowerShape.SIZE_FIELDS, "num_position_embeddings")
+
     depth: int = 27
     hidden_size: int = 1152
     num_heads: int = 16
@@ -143,10 +170,7 @@ class VisionConfig(TowerShape):
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"VisionConfig: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}"
-            )
+        self._check_sizes()
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
             raise ValueError(f"VisionConfig: num_position_embeddings {self.num_position_embeddings} is not a square")
@@ -230,6 +254,8 @@ class Qwen2VisionConfig(TowerShape):
         rope_theta: the 2D rotary's base. norm_eps: every norm's epsilon (transformers fixes it at 1e-6).
     """
 
+    SIZE_FIELDS = (*TowerShape.SIZE_FIELDS, "window_size")
+
     windowed: bool = True
     depth: int = 32
     hidden_size: int = 1280
@@ -249,12 +275,7 @@ class Qwen2VisionConfig(TowerShape):
     def __post_init__(self) -> None:
         name = type(self).__name__
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
-        head_dim, remainder = divmod(self.hidden_size, self.num_heads)
-        if remainder or head_dim % 4 or head_dim > MAX_HEAD_DIM:
-            raise ValueError(
-                f"{name}: hidden_size {self.hidden_size} over num_heads {self.num_heads} must give a head_dim that"
-                f" is a multiple of 4 and at most {MAX_HEAD_DIM}"
-            )
+        self._check_sizes()
         try:
             MlpActivation(self.hidden_act, gated=self.windowed)
         except ValueError as error:

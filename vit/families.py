@@ -108,12 +108,12 @@ class Family:
         return self.model_types + self.vision_model_types
 
     def vision_section(self, values: dict) -> dict:
-        """The vision config inside a config.json dict of this family (a full model's, or the vision config
-        itself)."""
+        """The vision config inside a config.json dict of this family (a full model's, a part's such as
+        Qwen3-Omni's thinker, which holds ``vision_config`` itself, or the vision config itself): each key of
+        ``config_path`` the dict holds is followed, the others skipped."""
         for key in self.config_path:
-            if key not in values:
-                break
-            values = values[key]
+            if isinstance(values.get(key), dict):
+                values = values[key]
         return values
 
     def read_config(self, values: dict) -> TowerConfig:

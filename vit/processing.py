@@ -83,15 +83,16 @@ def sample_frame_indices_qwen2(
 
     ``total_frames / video_fps * fps`` frames, at least ``min_frames``, at most ``max_frames`` and ``total_frames``
     (both first rounded down to a multiple of ``temporal_patch_size``), then rounded down to a multiple of
-    ``temporal_patch_size``, at ``arange(0, total_frames, total_frames / count)`` truncated. A video shorter than
-    one temporal patch, where that count is 0 (transformers raises), keeps all its frames (the last one repeated
-    to fill the patch, as for frame folders).
+    ``temporal_patch_size``, at ``arange(0, total_frames, total_frames / count)`` truncated. Where that count is 0
+    (transformers raises): a video shorter than one temporal patch keeps all its frames (the last one repeated to
+    fill the patch, as for frame folders), and a ``max_frames`` below one temporal patch takes one patch's frames,
+    the fewest a video encodes to.
     """
+    if total_frames < temporal_patch_size:
+        return list(range(total_frames))
     limit = min(max_frames, total_frames) // temporal_patch_size * temporal_patch_size
     count = min(max(total_frames / (video_fps or FALLBACK_VIDEO_FPS) * fps, min_frames), limit, total_frames)
-    count = int(count // temporal_patch_size) * temporal_patch_size
-    if count == 0:
-        return list(range(total_frames))
+    count = max(int(count // temporal_patch_size), 1) * temporal_patch_size
     return torch.arange(0, total_frames, total_frames / count).int().tolist()
 
 
@@ -174,6 +175,11 @@ class Processing:
         for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels", "min_frames", "max_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"the processor config's {name} must be positive, got {getattr(self, name)}")
+        for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"the processor config's {low} {getattr(self, low)} is larger than its {high} {getattr(self, high)}"
+                )
         if len(self.image_mean) != config.in_channels or len(self.image_std) != config.in_channels:
             raise ValueError(f"the processor config's image_mean and image_std need {config.in_channels} values")
 
@@ -248,6 +254,8 @@ def _pixel_bounds(values: dict, min_pixels: int, max_pixels: int) -> tuple[int, 
     """A processor config's pixel bounds: its ``size`` shortest and longest edge, overridden by ``min_pixels`` and
     ``max_pixels`` where given (as transformers' processors read them); the defaults where it states neither."""
     size = values.get("size") or {}
+    if not isinstance(size, dict):
+        raise ValueError(f"the processor config's size must be an object (shortest_edge, longest_edge), got {size!r}")
     min_pixels = values.get("min_pixels") or size.get("shortest_edge") or min_pixels
     max_pixels = values.get("max_pixels") or size.get("longest_edge") or max_pixels
     return int(min_pixels), int(max_pixels)

@@ -56,6 +56,7 @@ def test_pickled_weights_are_never_loaded(tmp_path):
     [
         (lambda d: None, "config.json: not found"),
         (lambda d: (d / "config.json").write_text("{not json"), "config.json: unreadable"),
+        (lambda d: (d / "config.json").write_text("[]"), "config.json: expected a JSON object, got a list"),
         (
             lambda d: ((d / "config.json").write_text("{}"), (d / "model.safetensors").write_bytes(b"garbage")),
             "model.safetensors: unreadable",
@@ -77,9 +78,13 @@ def test_bad_directories_name_the_file(tmp_path, make, words):
         load_vision_checkpoint(tmp_path)
 
 
-def test_not_a_directory(tmp_path):
-    with pytest.raises(CheckpointError, match="not a directory"):
+def test_not_a_directory(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match="not a directory$"):
         load_vision_checkpoint(tmp_path / "missing")
+    # A missing owner/name path reads as a Hub id: the message says where those are fetched.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"Qwen/Qwen3-VL-2B-Instruct: not a directory \(a Hugging Face Hub id\? "):
+        VisionTransformer.from_pretrained("Qwen/Qwen3-VL-2B-Instruct")
 
 
 def test_qwen3_5_and_omni_checkpoints(tmp_path):

@@ -510,6 +510,20 @@ def test_usage_errors_exit_2(argv, capsys):
     assert "usage: qvl encode" in capsys.readouterr().err
 
 
+def test_cuda_devices_and_dtypes_are_checked_before_loading(monkeypatch):
+    """On a machine with one GPU (faked): --device cuda:7 is a usage error, and the default dtype is bf16 where the
+    GPU computes in it, fp16 on an older one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(cli.CliError, match=r"--device cuda:7: this machine has 1 CUDA device"):
+        cli._resolve_device("cuda:7")
+    assert cli._resolve_device("cuda:0") == torch.device("cuda:0")
+    for supported, dtype in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
+        assert cli._default_dtype(torch.device("cuda")) == dtype
+    assert cli._default_dtype(torch.device("cpu")) == "float32"
+
+
 def test_help_documents_the_output_layout(capsys):
     assert cli.main(["encode", "--help"]) == 0
     out = capsys.readouterr().out
@@ -593,8 +607,8 @@ def import_without_torchvision(module_name: str, monkeypatch):
 
 def test_sample_frame_indices_qwen2_equal_qwen2_vl_video_processor(monkeypatch):
     """processing.sample_frame_indices_qwen2 is transformers' Qwen2VLVideoProcessor.sample_frames with fps
-    (Qwen2-VL's and Qwen2.5-VL's): whole temporal patches; a video shorter than one patch, where transformers
-    fails, is kept whole."""
+    (Qwen2-VL's and Qwen2.5-VL's): whole temporal patches. Where transformers fails, a video shorter than one
+    patch is kept whole, and a max_frames below one patch takes one patch's frames (never the whole video)."""
     module = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl", monkeypatch)
     Qwen2VLVideoProcessor = module.Qwen2VLVideoProcessor  # noqa: N806
     checked = 0
@@ -608,7 +622,8 @@ def test_sample_frame_indices_qwen2_equal_qwen2_vl_video_processor(monkeypatch):
                     try:
                         expected = processor.sample_frames(metadata, fps=fps).tolist()
                     except ZeroDivisionError:  # no whole temporal patch fits
-                        assert got == list(range(total)) and min(total, max_frames) < 2
+                        assert min(total, max_frames) < 2
+                        assert got == (list(range(total)) if total < 2 else [0, total // 2]), (total, max_frames)
                         continue
                     assert got == expected and len(got) % 2 == 0, (total, video_fps, fps, max_frames)
                     checked += 1

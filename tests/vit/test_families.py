@@ -64,6 +64,23 @@ def test_every_model_type_has_one_family():
         families.family_of_config({"model_type": "llava"})
 
 
+def test_every_level_of_a_nested_config_reads_the_same_tower():
+    """Qwen3-Omni's vision config read from the full model's config.json, from its thinker's own (which holds
+    vision_config at the top, as a thinker saved alone writes it) and from the vision config itself."""
+    vision = {"model_type": "qwen3_omni_moe_vision_encoder", **VISION_KWARGS}
+    configs = [
+        {
+            "model_type": "qwen3_omni_moe",
+            "thinker_config": {"model_type": "qwen3_omni_moe_thinker", "vision_config": vision},
+        },
+        {"model_type": "qwen3_omni_moe_thinker", "vision_config": vision},
+        vision,
+    ]
+    read = [families.config_from_dict(config) for config in configs]
+    assert all(family.name == "Qwen3-Omni-MoE" for family, _ in read)
+    assert read[0][1] == read[1][1] == read[2][1] and read[0][1].depth == VISION_KWARGS["depth"]
+
+
 def test_register_refuses_a_taken_model_type():
     qwen3_vl = families.family_of("qwen3_vl")
     with pytest.raises(ValueError, match="qwen3_vl"):

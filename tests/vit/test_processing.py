@@ -230,3 +230,7 @@ def test_a_processor_config_that_does_not_fit_the_tower_is_refused():
         qwen3.processing.for_checkpoint(tower_config("Qwen3-VL"), {"patch_size": 14})
     with pytest.raises(ValueError, match="image_mean and image_std need 3 values"):
         qwen3.processing.for_checkpoint(tower_config("Qwen3-VL"), {"image_mean": [0.5]})
+    with pytest.raises(ValueError, match="min_pixels 5000 is larger than its max_pixels 1000"):
+        qwen3.processing.for_checkpoint(tower_config("Qwen3-VL"), {"min_pixels": 5000, "max_pixels": 1000})
+    with pytest.raises(ValueError, match="size must be an object"):
+        qwen3.processing.for_checkpoint(tower_config("Qwen3-VL"), None, {"size": 5})

@@ -18,7 +18,15 @@ from test_qwen2_towers import (
 )
 
 from qvl.kernels import force_backend
-from qvl.vit import Qwen2VisionConfig, Qwen2VisionTransformer, VisionTransformer, load_tower, patch_model, tower_from_hf
+from qvl.vit import (
+    Qwen2VisionConfig,
+    Qwen2VisionTransformer,
+    VisionConfig,
+    VisionTransformer,
+    load_tower,
+    patch_model,
+    tower_from_hf,
+)
 from qvl.vit.families import config_from_dict, config_from_hf
 from ranks import run_two_ranks
 from towers import pixel_values_for, randomize
@@ -165,6 +173,35 @@ def test_config_from_released_config_json():
 def test_unsupported_configs_raise(change, pattern):
     with pytest.raises(ValueError, match=pattern):
         Qwen2VisionConfig(**{**dict(depth=4, hidden_size=64, num_heads=2), **change})
+
+
+@pytest.mark.parametrize("config_class", [VisionConfig, Qwen2VisionConfig])
+@pytest.mark.parametrize(
+    "change, error, pattern",
+    [
+        (dict(hidden_size="64"), TypeError, r"hidden_size must be an int, got '64'"),
+        (dict(depth=True), TypeError, r"depth must be an int, got True"),
+        (dict(depth=0), ValueError, r"depth must be >= 1, got 0"),
+        (
+            dict(num_heads=3),
+            ValueError,
+            r"hidden_size 64 over num_heads 3 must give a head_dim that is a multiple of 4",
+        ),
+        (
+            dict(hidden_size=1040, num_heads=4),
+            ValueError,
+            r"hidden_size 1040 over num_heads 4 must give a head_dim .* at most 256",
+        ),
+    ],
+)
+def test_both_tower_configs_check_their_sizes(config_class, change, error, pattern):
+    """A config.json may hold anything in a size's place: both configs name the field (a string there once made
+    a string-formatting error), and both refuse heads the kernels cannot run (Qwen3-VL's did at its first forward)."""
+    base = dict(depth=4, hidden_size=64, num_heads=2)
+    if config_class is VisionConfig:
+        base["deepstack_visual_indexes"] = ()
+    with pytest.raises(error, match=rf"{config_class.__name__}: {pattern}"):
+        config_class(**{**base, **change})
 
 
 def test_load_tower_reads_the_tower_kind_from_config_json(tmp_path):
