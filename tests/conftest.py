@@ -28,7 +28,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import qvl.kernels  # noqa: E402,F401
-from qvl.kernels import rotary_2d_reference  # noqa: E402
 from qvl.kernels.common import backend_for, force_backend  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0"
@@ -56,10 +55,24 @@ def norm_params(cols: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-VL's 2D rotary of q and k entirely in float64 (inverse frequencies included: transformers and
-    the kernels compute them in fp32, a rounding of each implementation that the truth must not share with
-    one of them): the ground truth of the rotary and attention tests."""
-    return rotary_2d_reference(q.double(), k.double(), positions, rope_theta)
+    """Qwen3-VL's 2D rotary of q and k entirely in float64: the ground truth of the rotary and attention tests.
+
+    Written here from transformers' Qwen3-VL vision code (``Qwen3VLVisionRotaryEmbedding`` over head_dim / 2
+    with inverse frequencies ``theta ** (-2i / (head_dim / 2))``, each token's row angles then its column angles,
+    the whole repeated twice, and ``apply_rotary_pos_emb_vision``'s rotate-half), not from qvl's reference: a
+    truth computed by the code under test would let a misreading of the model pass, since the tolerance rule
+    measures qvl against the truth. Inverse frequencies in float64 too (transformers and the kernels compute them
+    in fp32, a rounding of each implementation the truth must not share with one of them)."""
+    q, k = q.double(), k.double()
+    half = q.shape[-1] // 2
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, half, 2, dtype=torch.float64, device=q.device) / half)
+    angles = (positions.double()[..., None] * inv_freq).flatten(1)  # (T, half): row angles, then column angles
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * angles.cos() + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * angles.sin()
+
+    return rotate(q), rotate(k)
 
 
 @pytest.fixture

@@ -35,6 +35,22 @@ def grid_positions(grids):
 
 
 @pytest.mark.parametrize("head_dim", [64, 72, 80])
+def test_the_float64_truth_is_transformers_rotary(head_dim):
+    """The suite's truth (conftest.float64_rotary, written apart from qvl's code) is transformers' rotary: they
+    differ by fp32 roundings only, transformers computing in fp32. An angle of a rotates by cos and sin of its
+    fp32 rounding, off by a * eps; each output sums two such products: the bound is 4 * eps * (1 + max a) * max |x|
+    (a wrong angle, axis or half moves outputs by O(max |x|))."""
+    positions = grid_positions(GRIDS)
+    q, k = torch.randn(2, positions.shape[0], 2, head_dim).unbind(0)
+    truth = float64_rotary(q, k, positions)
+    expected = transformers_rotary(q, k, positions, head_dim)
+    eps = torch.finfo(torch.float32).eps
+    bound = 4 * eps * (1 + int(positions.max())) * max(float(q.abs().max()), float(k.abs().max()))
+    for got, true in zip(expected, truth, strict=True):
+        assert float((got.double() - true).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_matches_transformers(head_dim, dtype):
     positions = grid_positions(GRIDS[:2] + GRIDS[3:])
