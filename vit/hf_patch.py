@@ -146,6 +146,11 @@ class _PatchedForward:
                 "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
                 " until each submodule's hook loads them; or split over devices by a device map)"
             )
+        if torch.is_autocast_enabled(next(iter(devices)).type):
+            return (
+                "autocast is on, and qvl's kernels compute in the tower's own dtype (cast the model to bf16 or fp16"
+                " to run it on qvl)"
+            )
         if self.data_parallel is not None and output_hidden_states:
             return (
                 "output_hidden_states was requested in data-parallel mode, where each rank encodes only its share"
@@ -165,7 +170,12 @@ class _PatchedForward:
         if reason is not None:
             message = f"qvl.vit.patch_model: {reason}; this call runs transformers' own vision forward"
             warnings.warn(message, UnfusedFallbackWarning)
-            return self.original_forward()(hidden_states, grid_thw, **kwargs)
+            output = self.original_forward()(hidden_states, grid_thw, **kwargs)
+            if self.data_parallel is not None and torch.is_grad_enabled():
+                # Every rank ran the whole batch: its gradients are whole, and the ranks' sum (data mode's rule)
+                # would count them once per rank.
+                output = _scale_gradients(output, 1.0 / self.data_parallel.world_size)
+            return output
 
         hidden = [] if output_hidden_states else None
         runner = self.runner
@@ -191,6 +201,33 @@ class _PatchedForward:
             # Set after construction, as transformers' output capture does: to_tuple() then puts it last.
             output["hidden_states"] = _select_hidden_states(hidden, output_hidden_states)
         return output if kwargs.get("return_dict", getattr(hf_config, "return_dict", True)) else output.to_tuple()
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _scale_gradients(value, scale: float):
+    """``value`` (a model output, tuple, list or tensor, nested) with the gradient of every tensor that requires
+    grad scaled by ``scale``."""
+    if isinstance(value, torch.Tensor):
+        return _ScaleGradient.apply(value, scale) if value.requires_grad else value
+    if isinstance(value, dict):  # transformers' ModelOutput
+        for key in list(value.keys()):
+            value[key] = _scale_gradients(value[key], scale)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scale_gradients(item, scale) for item in value)
+    return value
 
 
 def _find_patch(visual: nn.Module) -> tuple[str, _PatchedForward | None]:
@@ -237,9 +274,13 @@ def patch_model(
       dispatched before or after patching), so it moves the inputs, and loads the weights where it offloads the
       whole module (``cpu_offload_with_hook``), before qvl runs; the hooks a device map puts on the submodules
       of a tower it keeps whole only move inputs, and qvl runs there too.
+    * ``torch.autocast`` on the tower's device: qvl's kernels compute in the weights' dtype (cast the model
+      instead).
     * in data mode, ``output_hidden_states``: each rank encodes only its share of the tokens.
 
-    In data mode, such a call runs the whole batch on every rank (no collective: every rank makes the same call).
+    In data mode, such a call runs the whole batch on every rank (no collective: every rank makes the same call),
+    its outputs' gradients scaled by 1 / world size, so that the ranks' summed parameter gradients (data mode's
+    rule) are one process's.
 
     ``parallel="data"`` (every rank of ``group``, default the world, holds the whole model and passes the
     same batch, e.g. a text model sharded over the ranks): each rank encodes a balanced share of the

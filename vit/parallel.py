@@ -333,12 +333,15 @@ class DataParallel(_Distributed):
             frame = plan.grid[piece.entry][1] * plan.grid[piece.entry][2]
             first = entry_rows[piece.entry] + piece.start * frame
             parts.append(pixel_values[first : first + (piece.stop - piece.start) * frame])
-        # A new tensor, not a view: the compiled forward guards on its input's storage offset (0, 1 or more),
-        # and a rank's share starts at a different row in every batch.
-        local_pixels = torch.cat(parts or [pixel_values[:0]])
-        merged, deepstack = encode(local_pixels, np.array(plan.local_grid(self.rank), dtype=np.int64).reshape(-1, 3))
-
         stride = max(plan.merged_rows(rank, merge) for rank in range(self.world_size))
+        if stride and not parts:
+            merged, deepstack = self._idle_share(pixel_values, encode)
+        else:
+            # A new tensor, not a view: the compiled forward guards on its input's storage offset (0, 1 or more),
+            # and a rank's share starts at a different row in every batch.
+            local_pixels = torch.cat(parts or [pixel_values[:0]])
+            local_grid = np.array(plan.local_grid(self.rank), dtype=np.int64).reshape(-1, 3)
+            merged, deepstack = encode(local_pixels, local_grid)
         if stride == 0:
             return merged, deepstack  # an empty batch on every rank
         # Main and deepstack features travel together, each rank's rows padded to the longest share (the
@@ -354,3 +357,15 @@ class DataParallel(_Distributed):
         order = to_device(torch.from_numpy(plan.gather_index(merge, stride)), gathered.device)
         merged, *deepstack = gathered.index_select(0, order).split(merged.shape[1], dim=1)
         return merged.contiguous(), [features.contiguous() for features in deepstack]
+
+    def _idle_share(self, pixel_values: torch.Tensor, encode) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Empty outputs for a rank the plan gives no part of a batch (fewer frames than ranks), which still ran
+        every module of the tower, forward and, where autograd records, backward: on one merge block of zero pixels,
+        folded in at weight zero. A training stack's per-module parameter gathers and gradient reductions are
+        collectives the other ranks make; a rank that skipped the modules would leave them waiting. Its gradients
+        are zeros, the inputs' included."""
+        merge = self.config.spatial_merge_size
+        pixels = torch.cat([pixel_values[:0], pixel_values.new_zeros(merge * merge, pixel_values.shape[1])])
+        merged, deepstack = encode(pixels, np.array([[1, merge, merge]], dtype=np.int64))
+        zero = sum(features.sum() for features in (merged, *deepstack)) * 0
+        return merged[:0] + zero, [features[:0] + zero for features in deepstack]

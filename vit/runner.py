@@ -647,13 +647,19 @@ class TowerRunner:
         """The outputs of a batch from its checked ``grid``: the host entry of every caller (qvl's towers, the
         transformers patch, the engines' tower routes, through :meth:`encode_grid` under a parallel strategy). A
         captured budget that serves the batch replays (:meth:`capture`); else the metadata (``meta``, when the
-        caller built it for ``grid``) and the device part run. Returns :class:`TowerOutputs`."""
-        if self.graphs is not None:
-            self.check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
-            replayed = self.graphs.encode(self, pixel_values, grid)
-            if replayed is not None:
-                return replayed
-        return self.encode(pixel_values, self.metadata(grid) if meta is None else meta)
+        caller built it for ``grid``) and the device part run. Returns :class:`TowerOutputs`.
+
+        Autocast is off inside: qvl's kernels take activations in the weights' dtype, which autocast would change
+        under fp32 weights (16-bit GEMM outputs beside fp32 norm weights); such a tower runs in fp32."""
+        device_type = self.device.type
+        own_dtype = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
+        with own_dtype or contextlib.nullcontext():
+            if self.graphs is not None:
+                self.check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
+                replayed = self.graphs.encode(self, pixel_values, grid)
+                if replayed is not None:
+                    return replayed
+            return self.encode(pixel_values, self.metadata(grid) if meta is None else meta)
 
     def encode_grid(
         self, pixel_values: torch.Tensor, grid: np.ndarray, meta: VisionMetadata | None = None

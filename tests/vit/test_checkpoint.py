@@ -20,7 +20,7 @@ def assert_same_outputs(tower, reference):
         got, got_deepstack = tower(pixels, GRID)
         want, want_deepstack = reference(pixels, GRID)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for a, b in zip(got_deepstack, want_deepstack):
+    for a, b in zip(got_deepstack, want_deepstack, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -147,13 +147,15 @@ def test_padded_batches_give_the_unpadded_features(name, monkeypatch):
 
             padded[TOKENS:] = garbage[: budget - TOKENS]
             poisoned = padded_outputs(tower, padded, batch)
-            assert all(torch.equal(a, b) for a, b in zip(poisoned, expected)), f"{what}: the pad reached the output"
+            assert all(torch.equal(a, b) for a, b in zip(poisoned, expected, strict=True)), (
+                f"{what}: the pad reached the output"
+            )
 
             tower.capture([budget], max_segments=max_segments)
             del counts[:]
             merged, deepstack = tower(pixels, GRID)
             assert counts == [(budget, batch.meta.cu_seqlens.shape[0] - 1)], what
-            assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], expected)), what
+            assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], expected, strict=True)), what
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
@@ -363,13 +365,13 @@ def test_cuda_graph_replay_equals_eager_without_syncs():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             replayed.append([from_device[0], *from_device[1]])
-            assert all(torch.equal(a, b) for a, b in zip([from_host[0], *from_host[1]], replayed[-1]))
+            assert all(torch.equal(a, b) for a, b in zip([from_host[0], *from_host[1]], replayed[-1], strict=True))
         # The first batch fits 128 tokens: its graph is not the eager run's 512, so within rounding; the second is
         # the 512 graph, the same kernels on the same shapes as the eager padded run: equal.
         truth = float64_vision_outputs(hf.cpu(), pixel_values_for(GRID, channels=tower.config.patch_dim), GRID)
         baseline = vision_outputs(hf.cuda(), pixel_values_for(GRID, channels=tower.config.patch_dim).cuda(), GRID)
         assert_error_within(replayed[0], truth, baseline, what="replayed 128-token graph")
-        assert all(torch.equal(a, b) for a, b in zip(replayed[1], eager[1]))
+        assert all(torch.equal(a, b) for a, b in zip(replayed[1], eager[1], strict=True))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU (and TRITON_INTERPRET=0)")
@@ -389,7 +391,7 @@ def test_graphs_captured_in_inference_mode_replay_under_no_grad():
     with torch.no_grad():
         eager = padded_outputs(tower, pad_pixels(pixels, 128), pad_batch(tower, GRID, 128))
         merged, deepstack = tower(pixels, GRID)
-    assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], eager))
+    assert all(torch.equal(a, b) for a, b in zip([merged, *deepstack], eager, strict=True))
 
 
 def test_data_mode_pads_each_ranks_share(tmp_path):

@@ -1,6 +1,7 @@
 """qvl.vit.patch_model on tiny random transformers Qwen3-VL models (nothing downloaded)."""
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -30,6 +31,10 @@ from towers import (
     randomize,
     rotary_in_float64,
 )
+
+# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
+# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
+pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
 
 GRID = [[1, 4, 6], [1, 2, 2]]
 # A smaller tower than towers.VISION_KWARGS for the tests below that run it many times; out_hidden_size stays the
@@ -367,6 +372,21 @@ def test_video_features_hidden_states(tower_calls):
     assert_error_within(got.hidden_states, truth.hidden_states, expected.hidden_states, what="hidden_states")
 
 
+def test_autocast_falls_back_to_transformers_with_a_warning(tower_calls):
+    """A fp32 model under bf16 autocast (HF Trainer's bf16=True on fp32 weights): transformers' own forward runs,
+    in autocast's dtype as unpatched, where qvl's kernels compute in the weights' dtype."""
+    hf = hf_vision_model(seed=22, **TINY_VISION)
+    pixels, grid = pixel_values_for(GRID, seed=23), torch.tensor(GRID)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = hf(pixels, grid_thw=grid)
+        patch_model(hf)
+        with pytest.warns(UnfusedFallbackWarning, match="autocast is on"):
+            got = hf(pixels, grid_thw=grid)
+    assert tower_calls == []
+    assert got.pooler_output.dtype == expected.pooler_output.dtype == torch.bfloat16
+    assert torch.equal(got.pooler_output, expected.pooler_output)
+
+
 def test_attentions_fall_back_to_transformers_with_a_warning(tower_calls):
     """qvl's fused attention has no per-layer attention outputs: such a call runs transformers' own forward."""
     hf = hf_vision_model(seed=20, **TINY_VISION)
@@ -522,6 +542,20 @@ def _data_parallel_rank(out_dir: str) -> None:
             )
         results["hidden_states"] = out.hidden_states
         results["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UnfusedFallbackWarning)]
+    # Training through that fallback: every rank runs the whole batch, so its gradients, summed over the ranks as
+    # data mode asks, must come out as one process's (transformers' own forward on this rank, unpatched).
+    visual = model.model.visual
+    gradients = []
+    for forward in (visual, functools.partial(type(visual).forward, visual)):
+        visual.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnfusedFallbackWarning)
+            out = forward(pixel_values_for(grid, seed=12), grid_thw=torch.tensor(grid), output_hidden_states=True)
+        (out.pooler_output.sum() + sum(features.sum() for features in out.deepstack_features)).backward()
+        gradients.append({name: p.grad.clone() for name, p in visual.named_parameters()})
+    for gradient in gradients[0].values():
+        dist.all_reduce(gradient)
+    results["fallback_gradients"] = gradients
     torch.save(results, f"{out_dir}/rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
@@ -557,6 +591,9 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
         assert len(got["warnings"]) == 1 and "data-parallel" in got["warnings"][0]
         for name in [*DATA_PARALLEL_GRIDS, "logits", "hidden_states"]:
             assert_error_within(got[name], truth[name], expected[name], what=f"rank {rank}: {name}")
+        summed, single = got["fallback_gradients"]
+        assert summed.keys() == single.keys()
+        assert all(torch.equal(summed[name], single[name]) for name in single), f"rank {rank}: fallback gradients"
 
 
 if __name__ == "__main__":

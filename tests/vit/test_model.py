@@ -67,6 +67,19 @@ def test_bf16_within_its_rounding(bf16_dot_as_fp32):
     assert_matches(tower, hf, MIXED[:2])
 
 
+def test_autocast_leaves_the_tower_in_its_own_dtype():
+    """Under bf16 autocast (a mixed-precision training loop) a fp32 tower runs in fp32, as without autocast: its
+    GEMMs would otherwise hand 16-bit activations to norms with fp32 weights, which the kernels refuse."""
+    tower = VisionTransformer.from_hf(hf_vision_model(seed=4)).eval()
+    pixels = pixel_values_for(MIXED, seed=4)
+    with torch.no_grad():
+        plain = tower(pixels, MIXED)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = tower(pixels, MIXED)
+    assert autocast[0].dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip([plain[0], *plain[1]], [autocast[0], *autocast[1]], strict=True))
+
+
 def test_head_dim_64_and_80():
     for hidden, heads in ((128, 2), (160, 2)):
         hf = hf_vision_model(seed=4, hidden_size=hidden, num_heads=heads)

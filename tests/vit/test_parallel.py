@@ -80,7 +80,7 @@ def _rank_main(spec_path: str) -> None:
 
         alone, single = (load(mode, group=solo)(*inputs["images"]) for mode in ("weights", None))
         results["solo_is_single_process"] = all(
-            torch.equal(a, b) for a, b in zip([alone[0], *alone[1]], [single[0], *single[1]])
+            torch.equal(a, b) for a, b in zip([alone[0], *alone[1]], [single[0], *single[1]], strict=True)
         )
 
         if rank == 2:

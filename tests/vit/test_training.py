@@ -31,6 +31,10 @@ from ranks import run_two_ranks
 from tolerance import assert_error_within
 from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
 
+# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
+# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
+pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+
 
 def qwen3_vl(seed):
     return tiny_full_model(seed=seed, config=tiny_vl_config()), qwen3_inputs(GRID, seed=seed + 1), ()
@@ -292,7 +296,12 @@ def test_training_step_peak_memory_not_above_sdpa():
 # --------------------------------------------------------------------------------------------------
 # Parallel backward: two gloo ranks, started by the test below (this file run as a script is one rank)
 # --------------------------------------------------------------------------------------------------
-PARALLEL_GRIDS = {"images": [[1, 4, 6], [1, 2, 2], [1, 6, 2]], "video": [[3, 2, 4], [1, 2, 2]]}
+# One image on two ranks leaves one rank idle in data mode: it must still run the tower's backward (zeros).
+PARALLEL_GRIDS = {
+    "images": [[1, 4, 6], [1, 2, 2], [1, 6, 2]],
+    "video": [[3, 2, 4], [1, 2, 2]],
+    "one image": [[1, 4, 6]],
+}
 
 
 def tower_loss(merged, deepstack) -> torch.Tensor:

@@ -26,6 +26,11 @@ from towers import hf_vision_model, pixel_values_for
 QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
 
 
+# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
+# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
+pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+
+
 def towers():
     """(name, transformers vision model, its float64 rotary patch, pixel values) for one model of each tower kind."""
     hf = hf_vision_model(seed=60, **TINY_VISION)
