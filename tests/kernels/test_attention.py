@@ -441,5 +441,15 @@ def test_wide_offset_variant(monkeypatch, fresh_attention_plans):
     narrow = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
     monkeypatch.setattr(config, "wide_token_offsets", lambda *args: True)
     config.reload_tile_table()
+    plan = config.attention_plan
+    flags = []
+
+    def recording(*args, **kwargs):
+        made = plan(*args, **kwargs)
+        flags.append(made.kwargs["WIDE_OFFSETS"])
+        return made
+
+    monkeypatch.setattr(attention.forward, "attention_plan", recording)
     wide = torch.ops.qvl.vision_attn(q, k, v, cu, positions=positions)
+    assert flags == [True]  # the launch took the 64-bit offsets
     assert torch.equal(narrow, wide)

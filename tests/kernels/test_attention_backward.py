@@ -242,8 +242,17 @@ def test_wide_offset_variant(monkeypatch, fresh_attention_plans):
     monkeypatch.setattr(attention.config, "wide_token_offsets", lambda *args: True)
     monkeypatch.setattr(attention.backward, "needs_wide_offsets", lambda *args: True)
     attention.reload_tile_table()
+    build, flags = attention.backward.vision_attn_backward_launches, []
+
+    def recording(*args, **kwargs):
+        launches = build(*args, **kwargs)
+        flags.extend(launch.kwargs["WIDE_OFFSETS"] for launch in launches if "WIDE_OFFSETS" in launch.kwargs)
+        return launches
+
+    monkeypatch.setattr(attention.backward, "vision_attn_backward_launches", recording)
     wide = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
-    for a, b in zip(narrow, wide):
+    assert flags == [True, True]  # the dK/dV and dQ launches took the 64-bit offsets
+    for a, b in zip(narrow, wide, strict=True):
         assert torch.equal(a, b)
 
 
@@ -303,6 +312,15 @@ def test_compile_forward_and_backward_without_recompiles():
     check([30, 40, 50], seed=1)
     with torch.compiler.set_stance("fail_on_recompile"):
         check([7, 90, 0, 33, 1], seed=2)
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_bf16_through_the_interpreter(head_dim, bf16_dot_as_fp32):
+    """The towers' training dtype on CPU: bf16 dots through the conftest shim (bf16 operands, fp32 accumulation, as
+    a tensor core multiplies them), with rope, ragged segments and both head-dim tails."""
+    q, k, v, cu, grad_out, positions = inputs([1, 40, 0, 17], 2, head_dim, torch.bfloat16, 31, True)
+    grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot multiply bf16)")

@@ -122,7 +122,8 @@ def test_merger_only_and_frozen_tower():
 def test_lora_adapters_on_the_tower_are_not_bypassed():
     """PEFT LoRA adapters on the tower's qkv / proj / MLP linears (random, so they change the output): the patched
     model's loss and the adapters' gradients are transformers'."""
-    peft = pytest.importorskip("peft", reason="peft is not installed")
+    import peft  # the test extra installs it
+
     model, inputs, rotary = qwen2_5_vl(seed=42)
     config = peft.LoraConfig(r=4, target_modules=["qkv", "attn.proj", "gate_proj", "up_proj", "down_proj"],
                              init_lora_weights=False)  # fmt: skip
