@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .families import config_from_hf, family_of, supported_model_types
+from .layers import GradientMap
 from .metadata import check_grid, grid_as_numpy
 from .parallel import make_parallel
 from .runner import (
@@ -203,24 +204,11 @@ class _PatchedForward:
         return output if kwargs.get("return_dict", getattr(hf_config, "return_dict", True)) else output.to_tuple()
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """The identity, whose backward scales the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 def _scale_gradients(value, scale: float):
     """``value`` (a model output, tuple, list or tensor, nested) with the gradient of every tensor that requires
     grad scaled by ``scale``."""
     if isinstance(value, torch.Tensor):
-        return _ScaleGradient.apply(value, scale) if value.requires_grad else value
+        return GradientMap.apply(value, lambda grad: grad * scale) if value.requires_grad else value
     if isinstance(value, dict):  # transformers' ModelOutput
         for key in list(value.keys()):
             value[key] = _scale_gradients(value[key], scale)

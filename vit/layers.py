@@ -32,6 +32,7 @@ from qvl.kernels.common import check_tensor
 __all__ = [
     "Activation",
     "AllReduce",
+    "GradientMap",
     "Product",
     "column_parallel_input",
     "embed_patches",
@@ -136,18 +137,17 @@ class _ReduceRowParallel(torch.autograd.Function):
         return grad, None
 
 
-class _EnterColumnParallel(torch.autograd.Function):
-    """The conjugate at a column-parallel linear's (replicated) input: forward passes it on; backward sums the
-    ranks' gradients, each of which covers only the rank's output features."""
+class GradientMap(torch.autograd.Function):
+    """``GradientMap.apply(x, function)``: x unchanged (a view) forward; backward hands on ``function(gradient)``."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
-        ctx.all_reduce = all_reduce
-        return h.view_as(h)
+    def forward(ctx, x: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.function = function
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.all_reduce(grad.contiguous()), None
+        return ctx.function(grad), None
 
 
 def column_parallel_input(h: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
@@ -155,7 +155,8 @@ def column_parallel_input(h: torch.Tensor, all_reduce: AllReduce | None) -> torc
     records it under tensor parallelism its gradient is summed over the ranks in backward."""
     if all_reduce is None or not needs_grad(h):
         return h
-    return _EnterColumnParallel.apply(h, all_reduce)
+    # The conjugate of the row-parallel reduction: each rank's gradient covers only its output features.
+    return GradientMap.apply(h, lambda grad: all_reduce(grad.contiguous()))
 
 
 def row_parallel_linear(
