@@ -119,13 +119,19 @@ def test_backend_takes_sglang_call_forms():
     cache = SingletonCache()
     cache.set_data(cu_seqlens)
     expected = sdpa(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=cu_seqlens)
-    for form in (cu_seqlens, cache, [cu_seqlens, cu_seqlens.diff(), 28], [cu_seqlens, 28]):
+    before = sglang_plugin.route_counts()
+    forms = (cu_seqlens, cache, [cu_seqlens, cu_seqlens.diff(), 28], [cu_seqlens, 28])
+    for form in forms:
         out = layer.qkv_backend(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=form)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     equal = torch.tensor([0, 20, 40], dtype=torch.int32)
     expected = sdpa(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=equal)
     out = layer.qkv_backend(q=q, k=k, v=v, bsz=2, seq_len=20, cu_seqlens=None)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    # Every form ran on qvl's op (a fallback to SGLang's sdpa would give the same result and count elsewhere).
+    after = sglang_plugin.route_counts()
+    assert after["attention"] - before["attention"] == len(forms) + 1
+    assert after["attention_fallback"] == before["attention_fallback"]
 
 
 def test_calls_qvl_does_not_cover_go_to_sglang(caplog):

@@ -76,7 +76,9 @@ def test_batched_hidden_layout_without_cu_seqlens():
     attends over itself, one varlen call for the whole batch."""
     qvl_layer, vllm_layer = layers(2, 64, torch.float32)
     q, k, v = (t.flatten(2).contiguous() for t in vllm_qkv(24, 2, 64, torch.float32, batch=3, seed=1))
+    before = vllm_routes.route_counts()["attention"]
     out = qvl_layer(q, k, v)
+    assert vllm_routes.route_counts()["attention"] == before + 1  # on qvl's op, not vLLM's forward
     truth = vllm_layer(q.double(), k.double(), v.double())
     assert out.shape == q.shape
     four_d = [t.view(3, 24, 2, 64) for t in (q, k, v)]
