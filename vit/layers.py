@@ -138,7 +138,8 @@ class _ReduceRowParallel(torch.autograd.Function):
 
 
 class GradientMap(torch.autograd.Function):
-    """``GradientMap.apply(x, function)``: x unchanged (a view) forward; backward hands on ``function(gradient)``."""
+    """``GradientMap.apply(x, function)``: x unchanged (a view) forward; backward hands on ``function(gradient)``,
+    the gradient made contiguous first (collectives take contiguous tensors)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -147,7 +148,7 @@ class GradientMap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.function(grad), None
+        return ctx.function(grad.contiguous()), None
 
 
 def column_parallel_input(h: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
@@ -156,7 +157,7 @@ def column_parallel_input(h: torch.Tensor, all_reduce: AllReduce | None) -> torc
     if all_reduce is None or not needs_grad(h):
         return h
     # The conjugate of the row-parallel reduction: each rank's gradient covers only its output features.
-    return GradientMap.apply(h, lambda grad: all_reduce(grad.contiguous()))
+    return GradientMap.apply(h, all_reduce)
 
 
 def row_parallel_linear(
