@@ -108,6 +108,9 @@ without --model the embedded default runs: a small Qwen3-VL-shaped tower with ra
 for trying the pipeline on a machine with no checkpoint; its features carry no meaning, and its images are
 capped at {EMBEDDED_MAX_PIXELS} (512^2) pixels to keep CPU runs short.
 
+the features are kept in host memory until the file is written (about 32 MB per 1024^2 image in bf16 for
+Qwen3-VL-8B): split very large input sets over several calls.
+
 exit status: 0 success, 2 bad arguments or an input/checkpoint that cannot be used (one line naming the
 file on stderr, no output written), 1 failure while encoding (e.g. out of memory).
 """
@@ -639,6 +642,9 @@ def _check_extras() -> None:
 def _run_encode(args: argparse.Namespace) -> int:
     _check_extras()
     if args.parallel is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Each rank a launcher started would encode every input and write the same file.
+            raise CliError("started by a launcher with several ranks but without --parallel (data or weights)")
         return _encode(args, _resolve_device(args.device))
     import torch.distributed as dist
 

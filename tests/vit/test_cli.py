@@ -586,6 +586,11 @@ def test_parallel_without_a_launcher_exits_2(images, tmp_path, capsys, monkeypat
     assert encode(images[0], "--parallel", "data", "-o", tmp_path / "x.safetensors") == 2
     assert "torchrun" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+    # The other way round: ranks of a launcher without --parallel would each encode everything into one file.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert encode(images[0], "-o", tmp_path / "x.safetensors") == 2
+    assert "without --parallel" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def import_without_torchvision(module_name: str, monkeypatch):
