@@ -26,6 +26,14 @@ VISION_KWARGS = dict(
 )
 
 
+def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:
+    """int32 segment offsets ``[0, l0, l0 + l1, ...]`` of segments of ``lengths`` tokens, on ``device``."""
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
 def vision_config(**overrides) -> Qwen3VLVisionConfig:
     config = Qwen3VLVisionConfig(**{**VISION_KWARGS, **overrides})
     config._attn_implementation = "sdpa"

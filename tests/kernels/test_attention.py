@@ -18,13 +18,7 @@ from qvl.kernels import attention, force_backend, rotary_2d_reference, vision_at
 from qvl.kernels.attention import head_dim_tiles, launch_config
 from qvl.kernels.common import HOPPER, device_target
 from tolerance import assert_error_within, online_softmax_ulps
-
-
-def cu_seqlens_of(lengths, device="cpu"):
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+from towers import cu_seqlens_of
 
 
 def packed_qkv(num_tokens, num_heads, head_dim, dtype, device="cpu", seed=0):

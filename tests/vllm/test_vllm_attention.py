@@ -14,6 +14,7 @@ from qvl.kernels.common import device_target, force_backend
 from qvl.vit import vllm_routes
 from qvl.vit.vllm_attention import QvlEncoderAttention
 from tolerance import assert_error_within, online_softmax_ulps
+from towers import cu_seqlens_of
 
 # Segment lengths with an empty one, one of a single token and one over a 64-key block.
 LENGTHS = [5, 0, 1, 70, 20]
@@ -36,10 +37,6 @@ def vllm_qkv(num_tokens, num_heads, head_size, dtype, batch=1, seed=0):
     generator = torch.Generator().manual_seed(seed)
     qkv = torch.randn(batch, num_tokens, 3, num_heads, head_size, generator=generator).to(dtype)
     return qkv.unbind(2)
-
-
-def cu_seqlens_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def ulps_for(q, k, cu_seqlens, scale):
