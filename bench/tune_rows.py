@@ -281,10 +281,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         parser.error("the sweep times kernels on a CUDA GPU (--dry-run lists it without one)")
     device = torch.device("cuda")
 
-    def after_case(rows: list[Row], unswept: list[str]) -> None:
-        # Each case's table and the JSON so far as soon as it is measured: a call cut by its time limit keeps them.
-        done = list(dict.fromkeys(r.case for r in rows))
-        print(table([r for r in rows if r.case == done[-1]], dtype), flush=True)
+    def write_json(rows: list[Row], unswept: list[str]) -> None:
         if args.json:
             payload = {
                 "device": torch.cuda.get_device_name(device),
@@ -294,7 +291,14 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             }
             args.json.write_text(json.dumps(payload, indent=2) + "\n")
 
+    def after_case(rows: list[Row], unswept: list[str]) -> None:
+        # Each case's table and the JSON so far as soon as it is measured: a call cut by its time limit keeps them.
+        done = list(dict.fromkeys(r.case for r in rows))
+        print(table([r for r in rows if r.case == done[-1]], dtype), flush=True)
+        write_json(rows, unswept)
+
     rows, left = sweep(CASES, device, dtype, do_bench_timer, args.budget_s, after_case=after_case)
+    write_json(rows, left)
     if left:
         print(f"not swept (budget {args.budget_s:.0f} s): {', '.join(left)}")
     return rows

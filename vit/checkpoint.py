@@ -116,7 +116,7 @@ def read_config(path: str | os.PathLike) -> dict:
     directory = Path(path)
     if not directory.is_dir():
         hint = ""
-        if not directory.exists() and len(directory.parts) == 2:
+        if not directory.exists() and not directory.is_absolute() and len(directory.parts) == 2:
             hint = " (a Hugging Face Hub id? qvl.vit.hub.resolve_model fetches its vision tower into the cache)"
         raise CheckpointError(f"{directory}: not a directory{hint}")
     return _read_json(directory / "config.json")

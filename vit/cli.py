@@ -508,7 +508,8 @@ def _default_dtype(device: torch.device) -> str:
     """bf16 on a GPU that computes in it (Ampere and later), fp16 on an older one, fp32 on a CPU."""
     if device.type != "cuda":
         return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+    with torch.cuda.device(device):  # the GPU the run uses, not the current one
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def _check_output(path: Path) -> None:

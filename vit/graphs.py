@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layers import needs_grad
 from .metadata import DeviceInputs, check_grid, grid_as_numpy
@@ -231,14 +232,32 @@ def pad_pixels(pixel_values: torch.Tensor, budget: int) -> torch.Tensor:
     return padded
 
 
-def _weights_in_memory(runner) -> tuple:
-    """Where the tower's weights live: device, dtype and the storage of a few parameters spread over the tree (the
-    patch embedding, the last block, the merger). Moving, casting or loading with ``assign=True`` gives them new
-    storage, which graphs captured before would not read; a few pointers cost next to nothing per call, where
-    every parameter would cost hundreds of microseconds."""
+def _sentinels(runner) -> list[torch.Tensor]:
+    """A few parameters spread over the tree: the patch embedding's weight, the last block's and the merger's first."""
     tree = runner.tree
-    sentinels = (tree.patch_embed.proj.weight, next(tree.blocks[-1].parameters()), next(tree.merger.parameters()))
-    return runner.device, runner.dtype, tuple(parameter.data_ptr() for parameter in sentinels)
+    candidates = (next(tree.blocks[-1].parameters(), None), next(tree.merger.parameters(), None))
+    return [tree.patch_embed.proj.weight, *(parameter for parameter in candidates if parameter is not None)]
+
+
+class _WeightsAtCapture:
+    """Where the tower's weights lived when its graphs were captured: device, dtype, and the storage of a few
+    parameters (:func:`_sentinels`). Moving, casting or loading with ``assign=True`` gives them new storage, which
+    the graphs would not read: the old one is freed (its weak reference expires), even where the caching allocator
+    hands the new one the same address. A few checks cost next to nothing per call, where every parameter would
+    cost hundreds of microseconds."""
+
+    def __init__(self, runner):
+        self.device, self.dtype = runner.device, runner.dtype
+        sentinels = _sentinels(runner)
+        self.pointers = [parameter.data_ptr() for parameter in sentinels]
+        self.storages = [StorageWeakRef(parameter.untyped_storage()) for parameter in sentinels]
+
+    def still_in(self, runner) -> bool:
+        """Whether ``runner``'s tower still holds its weights where they were."""
+        if runner.device != self.device or runner.dtype != self.dtype:
+            return False
+        pointers = [parameter.data_ptr() for parameter in _sentinels(runner)]
+        return pointers == self.pointers and not any(storage.expired() for storage in self.storages)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -267,7 +286,7 @@ class TowerGraphs:
         self.max_segments = max_segments
         self.caller = caller
         self.device, self.dtype = runner.device, runner.dtype
-        self._weights = _weights_in_memory(runner)
+        self._weights = _WeightsAtCapture(runner)
         self._graphs: dict[int, _Graph] = {}
         if self.device.type == "cuda":
             # Outside inference mode, so that replays under plain no_grad may copy into the static buffers (an
@@ -304,7 +323,7 @@ class TowerGraphs:
         copied into the graph's buffer (from pinned memory when on the host) and the pad rows zeroed, the graph
         replays, and the outputs are copied out (the next replay overwrites the graph's own). Elsewhere the
         padded batch runs through the runner's normal device forward."""
-        if _weights_in_memory(runner) != self._weights:
+        if not self._weights.still_in(runner):
             raise RuntimeError(
                 f"{runner.name}: its graphs read the weights' memory as it was at capture (on {self.device} in "
                 f"{self.dtype}), but the weights have moved since (now on {runner.device} in {runner.dtype}: moved, "

@@ -147,10 +147,11 @@ class _PatchedForward:
                 "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
                 " until each submodule's hook loads them; or split over devices by a device map)"
             )
-        if torch.is_autocast_enabled(next(iter(devices)).type):
+        device_type = next(iter(devices)).type
+        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != self.runner.dtype:
             return (
-                "autocast is on, and qvl's kernels compute in the tower's own dtype (cast the model to bf16 or fp16"
-                " to run it on qvl)"
+                f"autocast to {torch.get_autocast_dtype(device_type)} is on over {self.runner.dtype} weights, and"
+                " qvl's kernels compute in the weights' dtype (cast the model to the autocast dtype to run it on qvl)"
             )
         if self.data_parallel is not None and output_hidden_states:
             return (
@@ -262,8 +263,8 @@ def patch_model(
       dispatched before or after patching), so it moves the inputs, and loads the weights where it offloads the
       whole module (``cpu_offload_with_hook``), before qvl runs; the hooks a device map puts on the submodules
       of a tower it keeps whole only move inputs, and qvl runs there too.
-    * ``torch.autocast`` on the tower's device: qvl's kernels compute in the weights' dtype (cast the model
-      instead).
+    * ``torch.autocast`` to a dtype other than the weights' (fp32 weights under bf16 autocast): qvl's kernels
+      compute in the weights' dtype (cast the model instead; bf16 weights under bf16 autocast run on qvl).
     * in data mode, ``output_hidden_states``: each rank encodes only its share of the tokens.
 
     In data mode, such a call runs the whole batch on every rank (no collective: every rank makes the same call),

@@ -185,7 +185,9 @@ def _norm_parts(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, flo
             " fully_shard of the block and DeepSpeed ZeRO-3 do; a norm sharded on its own is not; or unpatch_model"
         )
     if isinstance(norm, nn.LayerNorm):
-        return weight, norm.bias, norm.eps
+        # A LayerNorm without bias (bias=False) gets a zero one: the layers run RMSNorm where the bias is None.
+        bias = norm.bias if norm.bias is not None else weight.new_zeros(weight.shape)
+        return weight, bias, norm.eps
     eps = getattr(norm, "variance_epsilon", None)
     return weight, None, norm.eps if eps is None else eps
 

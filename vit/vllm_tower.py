@@ -194,12 +194,16 @@ def attach(model: nn.Module, vllm_config, family: Family) -> None:
 
 
 def _encoder_graphs_on(vllm_config) -> bool:
-    """Whether vLLM will run the tower in its encoder CUDA graphs: asked for (``cudagraph_mm_encoder``) and CUDA
-    graphs not off (``cudagraph_mode`` NONE, which ``enforce_eager`` sets): vLLM makes its graph manager only when
-    it captures."""
+    """Whether vLLM will run the tower in its encoder CUDA graphs: asked for (``cudagraph_mm_encoder``), not under
+    ``enforce_eager``, and, with vLLM's V1 model runner, CUDA graphs not off (``cudagraph_mode`` NONE: V1 makes its
+    graph manager in its capture step, which NONE skips; the V2 runner makes it whatever the decoder's mode)."""
     compilation_config = vllm_config.compilation_config
+    if not getattr(compilation_config, "cudagraph_mm_encoder", False):
+        return False
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
     mode = getattr(compilation_config, "cudagraph_mode", None)
-    return bool(getattr(compilation_config, "cudagraph_mm_encoder", False)) and getattr(mode, "name", "NONE") != "NONE"
+    return bool(getattr(vllm_config, "use_v2_model_runner", False)) or getattr(mode, "name", "NONE") != "NONE"
 
 
 def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | None, graphs: bool):

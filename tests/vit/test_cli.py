@@ -6,6 +6,7 @@ The command runs in-process on the torch path (the interpreter would take minute
 one subprocess run of ``python -m qvl.vit`` proves the entry point.
 """
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -519,6 +520,7 @@ def test_cuda_devices_and_dtypes_are_checked_before_loading(monkeypatch):
     with pytest.raises(cli.CliError, match=r"--device cuda:7: this machine has 1 CUDA device"):
         cli._resolve_device("cuda:7")
     assert cli._resolve_device("cuda:0") == torch.device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     for supported, dtype in ((True, "bfloat16"), (False, "float16")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
         assert cli._default_dtype(torch.device("cuda")) == dtype

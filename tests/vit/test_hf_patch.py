@@ -380,11 +380,26 @@ def test_autocast_falls_back_to_transformers_with_a_warning(tower_calls):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = hf(pixels, grid_thw=grid)
         patch_model(hf)
-        with pytest.warns(UnfusedFallbackWarning, match="autocast is on"):
+        with pytest.warns(UnfusedFallbackWarning, match="autocast to torch.bfloat16 is on over torch.float32 weights"):
             got = hf(pixels, grid_thw=grid)
     assert tower_calls == []
     assert got.pooler_output.dtype == expected.pooler_output.dtype == torch.bfloat16
     assert torch.equal(got.pooler_output, expected.pooler_output)
+
+
+def test_autocast_to_the_weights_dtype_runs_on_qvl(tower_calls, bf16_dot_as_fp32):
+    """bf16 weights under bf16 autocast (HF Trainer's bf16=True on a bf16 model, the usual fine-tuning set-up):
+    autocast changes nothing there, and the tower runs on qvl, within the rule of the unpatched bf16 model."""
+    hf = hf_vision_model(seed=24, **TINY_VISION)
+    pixels, grid = pixel_values_for(GRID, seed=25), torch.tensor(GRID)
+    truth = float64_run(hf, lambda hf64: vision_fields(hf64(pixels.double(), grid_thw=grid)))
+    hf = hf.bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = hf(pixels.bfloat16(), grid_thw=grid)
+        patch_model(hf)
+        got = hf(pixels.bfloat16(), grid_thw=grid)
+    assert tower_calls == [hf]
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="bf16 under bf16 autocast")
 
 
 def test_attentions_fall_back_to_transformers_with_a_warning(tower_calls):

@@ -152,3 +152,18 @@ def test_merger_rows_must_fill_merge_blocks(argument_check_inputs):
     x, w, b = (argument_check_inputs[name] for name in ("x", "w", "b"))
     with pytest.raises(ValueError, match="divisible by spatial_merge"):
         patch_merger(x[:6], w, b, w, w, w, w)
+
+
+def test_a_layer_norm_without_bias_stays_a_layer_norm(backend, device):
+    """The runner reads norms off the modules and runs RMSNorm where a norm has no bias: torch's
+    ``LayerNorm(bias=False)`` must still subtract its mean."""
+    from qvl.vit.runner import _norm
+
+    norm = torch.nn.LayerNorm(40, bias=False, device=device)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(12, 40, device=device) + 3.0
+    with torch.no_grad():
+        got = _norm(norm, x)
+        truth = F.layer_norm(x.double(), (40,), norm.weight.double(), None, norm.eps)
+        assert_error_within(got, truth, norm(x), what="LayerNorm(bias=False)")

@@ -188,16 +188,23 @@ def test_data_mode_under_encoder_graphs_leaves_the_split_to_vllm(monkeypatch):
 
 
 def test_encoder_graphs_count_only_where_vllm_captures():
-    """vLLM makes its encoder graph manager only when it captures CUDA graphs at all: cudagraph_mm_encoder under
-    cudagraph_mode NONE (what enforce_eager sets) leaves the tower eager, and qvl's own data-mode split with it."""
+    """Where vLLM makes its encoder graph manager: cudagraph_mm_encoder, not enforce_eager, and under the V1 model
+    runner cudagraph_mode not NONE; elsewhere the tower stays eager, and qvl's own data-mode split with it."""
     from vllm.config import CUDAGraphMode
 
-    def config(asked, mode):
-        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mm_encoder=asked, cudagraph_mode=mode))
+    def config(asked, mode, eager=False, v2=False):
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_mm_encoder=asked, cudagraph_mode=mode),
+            model_config=SimpleNamespace(enforce_eager=eager),
+            use_v2_model_runner=v2,
+        )
 
     assert vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.FULL_AND_PIECEWISE))
     assert not vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.NONE))
     assert not vllm_tower._encoder_graphs_on(config(False, CUDAGraphMode.FULL_AND_PIECEWISE))
+    # The V2 runner makes its encoder graphs whatever the decoder's mode, unless enforce_eager.
+    assert vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.NONE, v2=True))
+    assert not vllm_tower._encoder_graphs_on(config(True, CUDAGraphMode.NONE, eager=True, v2=True))
 
 
 def test_mismatches_leave_vllm_tower():
