@@ -22,10 +22,13 @@ def shared_mismatch(visual: nn.Module, depth: int, mergers: list[nn.Module], mer
         return f"{len(visual.blocks)} blocks where the config says {depth}"
     norms = [norm for block in visual.blocks for norm in (block.norm1, block.norm2)]
     norms += [part(merger, merger_norm) for merger in mergers]
+
     # The runner reads any norm but torch's LayerNorm as an RMSNorm: one with a bias (SGLang's own LayerNorm, on
     # its CPU engine) would lose its mean and bias.
-    rms = [hasattr(norm, "variance_epsilon") and getattr(norm, "bias", None) is None for norm in norms]
-    if not all(type(norm) is nn.LayerNorm or is_rms for norm, is_rms in zip(norms, rms)):
+    def readable(norm: nn.Module) -> bool:
+        return type(norm) is nn.LayerNorm or (hasattr(norm, "variance_epsilon") and getattr(norm, "bias", None) is None)
+
+    if not all(readable(norm) for norm in norms):
         return "norms other than torch's LayerNorm or an RMSNorm (without bias)"
     if visual.patch_embed.proj.weight.dim() != 5:
         return "a patch embedding that is not a Conv3d weight"

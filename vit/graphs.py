@@ -34,7 +34,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layers import needs_grad
-from .metadata import DeviceInputs, check_grid, grid_as_numpy
+from .metadata import DeviceInputs, check_grid, check_int, grid_as_numpy
 
 __all__ = [
     "PAD_FRAME_UNITS",
@@ -63,16 +63,8 @@ SMALL_FRAME_SLOTS = 16
 _WARMUP_RUNS = 2
 
 
-def _check_int(caller: str, name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{caller}: {name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_budget(caller: str, name: str, budget: object, spatial_merge_size: int) -> int:
-    budget = _check_int(caller, name, budget)
+    budget = check_int(caller, name, budget)
     block = spatial_merge_size**2
     if budget % block:
         raise ValueError(
@@ -96,7 +88,7 @@ def check_budgets(
         raise ValueError(f"{caller}: token_budgets must hold at least one budget")
     budgets = {_check_budget(caller, f"token_budgets[{i}]", b, spatial_merge_size) for i, b in enumerate(token_budgets)}
     if max_segments is not None:
-        _check_int(caller, "max_segments", max_segments)
+        check_int(caller, "max_segments", max_segments)
     return tuple(sorted(budgets))
 
 
@@ -207,7 +199,7 @@ def pad_batch(runner, grid_thw, budget: int, max_segments: int | None = None) ->
     merge = runner.config.spatial_merge_size
     budget = _check_budget("pad_batch", "budget", budget, merge)
     if max_segments is not None:
-        _check_int("pad_batch", "max_segments", max_segments)
+        check_int("pad_batch", "max_segments", max_segments)
     grid = grid_as_numpy(grid_thw, "pad_batch")
     check_grid(grid, merge, "pad_batch")
     slots = segment_slots(budget, merge, max_segments)
@@ -240,22 +232,19 @@ def _sentinels(runner) -> list[torch.Tensor]:
 
 
 class _WeightsAtCapture:
-    """Where the tower's weights lived when its graphs were captured: device, dtype, and the storage of a few
-    parameters (:func:`_sentinels`). Moving, casting or loading with ``assign=True`` gives them new storage, which
-    the graphs would not read: the old one is freed (its weak reference expires), even where the caching allocator
-    hands the new one the same address. A few checks cost next to nothing per call, where every parameter would
-    cost hundreds of microseconds."""
+    """Where the tower's weights lived when its graphs were captured: the storage of a few parameters
+    (:func:`_sentinels`; the first one also gives the tower's device and dtype). Moving, casting or loading with
+    ``assign=True`` gives them new storage, which the graphs would not read: the old one is freed (its weak reference
+    expires), even where the caching allocator hands the new one the same address. A few checks cost next to nothing
+    per call, where every parameter would cost hundreds of microseconds."""
 
     def __init__(self, runner):
-        self.device, self.dtype = runner.device, runner.dtype
         sentinels = _sentinels(runner)
         self.pointers = [parameter.data_ptr() for parameter in sentinels]
         self.storages = [StorageWeakRef(parameter.untyped_storage()) for parameter in sentinels]
 
     def still_in(self, runner) -> bool:
         """Whether ``runner``'s tower still holds its weights where they were."""
-        if runner.device != self.device or runner.dtype != self.dtype:
-            return False
         pointers = [parameter.data_ptr() for parameter in _sentinels(runner)]
         return pointers == self.pointers and not any(storage.expired() for storage in self.storages)
 

@@ -35,6 +35,7 @@ __all__ = [
     "build_metadata",
     "build_window_metadata",
     "check_grid",
+    "check_int",
     "grid_as_numpy",
     "to_device",
 ]
@@ -141,11 +142,13 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else to_device(tensor, device)
 
 
-def _check_positive_int(name: str, value: object, caller: str = "build_metadata") -> int:
+def check_int(caller: str, name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int; TypeError / ValueError naming ``caller`` and ``name`` unless it is an int (numpy's too,
+    not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{caller}: {name} must be >= 1, got {value}")
+    if value < minimum:
+        raise ValueError(f"{caller}: {name} must be >= {minimum}, got {value}")
     return int(value)
 
 
@@ -279,8 +282,8 @@ def build_metadata(
     Returns a :class:`VisionMetadata`. Raises ValueError/TypeError naming the offending argument (and
     for grid_thw the offending row).
     """
-    merge = _check_positive_int("spatial_merge_size", spatial_merge_size)
-    side = None if num_grid_per_side is None else _check_positive_int("num_grid_per_side", num_grid_per_side)
+    merge = check_int("build_metadata", "spatial_merge_size", spatial_merge_size)
+    side = None if num_grid_per_side is None else check_int("build_metadata", "num_grid_per_side", num_grid_per_side)
     if side is not None and side * side >= _INT32_LIMIT:
         raise ValueError(f"build_metadata: num_grid_per_side {side} gives a table too large for int32 indices")
     grid = grid_as_numpy(grid_thw)
@@ -386,9 +389,9 @@ def build_window_metadata(
     :class:`WindowMetadata`.
     """
     caller = "build_window_metadata"
-    merge = _check_positive_int("spatial_merge_size", spatial_merge_size, caller)
-    window_size = _check_positive_int("window_size", window_size, caller)
-    patch_size = _check_positive_int("patch_size", patch_size, caller)
+    merge = check_int(caller, "spatial_merge_size", spatial_merge_size)
+    window_size = check_int(caller, "window_size", window_size)
+    patch_size = check_int(caller, "patch_size", patch_size)
     side = window_size // merge // patch_size  # transformers' vit_merger_window_size
     if side < 1:
         raise ValueError(
