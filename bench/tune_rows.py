@@ -250,8 +250,9 @@ def sweep(
     scale: float = 1.0,
     after_case: Callable[[list[Row], list[str]], None] | None = None,
 ) -> tuple[list[Row], list[str]]:
-    """Every case while the budget lasts; returns the rows and the names of the cases left unswept.
-    ``after_case(rows, unswept)`` is called after each case with the rows so far and the cases not swept yet."""
+    """Every case while the budget lasts, each case's table printed as soon as it is measured; returns the rows and
+    the names of the cases left unswept. ``after_case(rows, unswept)`` is called after each case with the rows so far
+    and the cases not swept yet (so that a call cut by its time limit can keep them)."""
     started = time.monotonic()
     rows, left = [], []
     for index, case in enumerate(cases):
@@ -259,7 +260,9 @@ def sweep(
             left.append(case.name)
             continue
         print(f"tune_rows: {case.name} ({len(case.candidates)} candidates)", flush=True)
-        rows += sweep_case(case, device, dtype, timer, scale)
+        case_rows = sweep_case(case, device, dtype, timer, scale)
+        print(table(case_rows, dtype), flush=True)
+        rows += case_rows
         if after_case is not None:
             after_case(rows, left + [later.name for later in cases[index + 1 :]])
     return rows, left
@@ -291,13 +294,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             }
             args.json.write_text(json.dumps(payload, indent=2) + "\n")
 
-    def after_case(rows: list[Row], unswept: list[str]) -> None:
-        # Each case's table and the JSON so far as soon as it is measured: a call cut by its time limit keeps them.
-        done = list(dict.fromkeys(r.case for r in rows))
-        print(table([r for r in rows if r.case == done[-1]], dtype), flush=True)
-        write_json(rows, unswept)
-
-    rows, left = sweep(CASES, device, dtype, do_bench_timer, args.budget_s, after_case=after_case)
+    # The JSON after every case too: a call cut by its time limit keeps what it measured.
+    rows, left = sweep(CASES, device, dtype, do_bench_timer, args.budget_s, after_case=write_json)
     write_json(rows, left)
     if left:
         print(f"not swept (budget {args.budget_s:.0f} s): {', '.join(left)}")

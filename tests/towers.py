@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from unittest import mock
 
+import pytest
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 from transformers.models.qwen3_vl import modeling_qwen3_vl
@@ -24,6 +25,12 @@ VISION_KWARGS = dict(
     deepstack_visual_indexes=[0, 2],
     num_position_embeddings=64,
 )
+
+
+# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check: the test
+# modules that mark themselves with this (``pytestmark = FALLBACKS_ARE_ERRORS``) make a fallback an error unless a
+# test expects it (pytest.warns, or warnings caught and recorded).
+FALLBACKS_ARE_ERRORS = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
 
 
 def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:

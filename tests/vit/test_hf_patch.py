@@ -18,6 +18,7 @@ from qvl.vit.hf_patch import UnfusedFallbackWarning
 from ranks import run_two_ranks
 from tolerance import assert_error_within
 from towers import (
+    FALLBACKS_ARE_ERRORS,
     IMAGE_TOKEN_ID,
     TEXT_KWARGS,
     TOKEN_IDS,
@@ -32,9 +33,7 @@ from towers import (
     rotary_in_float64,
 )
 
-# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
-# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
-pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+pytestmark = FALLBACKS_ARE_ERRORS
 
 GRID = [[1, 4, 6], [1, 2, 2]]
 # A smaller tower than towers.VISION_KWARGS for the tests below that run it many times; out_hidden_size stays the

@@ -19,11 +19,17 @@ from qvl.vit import is_patched, patch_model, unpatch_model
 from qvl.vit.families import config_from_hf
 from qvl.vit.runner import build_tower_metadata
 from tolerance import assert_error_within
-from towers import IMAGE_TOKEN_ID, TEXT_KWARGS, TOKEN_IDS, VISION_START_TOKEN_ID, pixel_values_for, randomize
+from towers import (
+    FALLBACKS_ARE_ERRORS,
+    IMAGE_TOKEN_ID,
+    TEXT_KWARGS,
+    TOKEN_IDS,
+    VISION_START_TOKEN_ID,
+    pixel_values_for,
+    randomize,
+)
 
-# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
-# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
-pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+pytestmark = FALLBACKS_ARE_ERRORS
 
 PATCH_DIM = 3 * 2 * 14 * 14
 # A window of 56 pixels is 2 x 2 merge units (4 x 4 patches): grids 6 x 10 and 2 x 6 leave partial windows.

@@ -29,11 +29,9 @@ from qvl.vit import VisionTransformer, patch_model
 from qvl.vit.hf_patch import UnfusedFallbackWarning
 from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
+from towers import FALLBACKS_ARE_ERRORS, float64_copy, hf_vision_model, pixel_values_for, randomize, rotary_in_float64
 
-# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
-# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
-pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+pytestmark = FALLBACKS_ARE_ERRORS
 
 
 def qwen3_vl(seed):

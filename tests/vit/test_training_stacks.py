@@ -21,14 +21,12 @@ from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
 from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import hf_vision_model, pixel_values_for
+from towers import FALLBACKS_ARE_ERRORS, hf_vision_model, pixel_values_for
 
 QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
 
 
-# A patched call that fell back to transformers' own forward would pass every "same as unpatched" check here: a
-# fallback is an error unless a test expects it (pytest.warns, or warnings caught and recorded).
-pytestmark = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
+pytestmark = FALLBACKS_ARE_ERRORS
 
 
 def towers():
