@@ -23,7 +23,6 @@ _sglang = importlib.util.find_spec("sglang")
 if _sglang is None or _sglang.origin is None:
     collect_ignore_glob += ["sglang", "sglang/*"]
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -119,37 +118,6 @@ def backend(request, device):
 def argument_check_inputs(device):
     """``x (8, 16)``, ``w``, ``b (16,)``: fp32 inputs for the row-wise ops' argument checks."""
     return dict(x=torch.randn(8, 16, device=device), w=torch.randn(16, device=device), b=torch.randn(16, device=device))
-
-
-@pytest.fixture
-def bf16_dot_as_fp32(monkeypatch):
-    """Make the interpreter's ``tl.dot`` upcast bf16 operands to fp32 before multiplying.
-
-    Triton's interpreter multiplies bf16 dot operands as raw bit patterns (triton issue 11584). A bf16
-    tensor-core dot takes bf16 inputs exactly and accumulates in fp32, which is what this computes.
-    Elementwise bf16 work (loads, casts, stores) is left to the interpreter as it is. On a GPU the
-    fixture does nothing.
-    """
-    if ON_GPU:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def upcast(handle):
-        if handle.dtype.scalar == tl.bfloat16 or handle.dtype == tl.bfloat16:
-            bits = handle.data.astype(np.uint32) << 16
-            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-        return handle
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(builder, "create_dot", create_dot)
-    yield
 
 
 @pytest.fixture

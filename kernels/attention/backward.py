@@ -34,6 +34,7 @@ from .forward import (
     check_attn_args,
     head_dim_columns,
     load_rows,
+    mma,
     program_tile,
     store_rows,
     vision_attn_with_lse,
@@ -119,9 +120,9 @@ def _dot_over_head_dim(a, b_t, DOT_PRECISION: tl.constexpr, D_TAIL: tl.constexpr
     tail has the shared columns zeroed (:func:`~.forward.zero_shared_columns`)."""
     a_main, a_tail = a
     b_main, b_tail = b_t
-    out = tl.dot(a_main, tl.trans(b_main), input_precision=DOT_PRECISION)
+    out = mma(a_main, tl.trans(b_main), None, DOT_PRECISION)
     if D_TAIL > 0:
-        out = tl.dot(a_tail, tl.trans(b_tail), out, input_precision=DOT_PRECISION)
+        out = mma(a_tail, tl.trans(b_tail), out, DOT_PRECISION)
     return out
 
 
@@ -130,9 +131,9 @@ def _dot_into_head_dim(x, b, acc, DOT_PRECISION: tl.constexpr, D_TAIL: tl.conste
     """``acc + x @ b`` for a (main, tail) pair ``b`` of row tiles and a (main, tail) pair of accumulators."""
     b_main, b_tail = b
     acc_main, acc_tail = acc
-    acc_main = tl.dot(x, b_main, acc_main, input_precision=DOT_PRECISION)
+    acc_main = mma(x, b_main, acc_main, DOT_PRECISION)
     if D_TAIL > 0:
-        acc_tail = tl.dot(x, b_tail, acc_tail, input_precision=DOT_PRECISION)
+        acc_tail = mma(x, b_tail, acc_tail, DOT_PRECISION)
     return acc_main, acc_tail
 
 

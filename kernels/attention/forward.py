@@ -25,6 +25,7 @@ from ..common import (
     check_tensor,
     device_target,
     run_launches,
+    triton_interpreting,
 )
 from ..rotary import (
     check_positions,
@@ -44,6 +45,7 @@ __all__ = [
     "equal_length_runs",
     "head_major",
     "load_rows",
+    "mma",
     "program_tile",
     "vision_attn",
     "vision_attn_launches",
@@ -54,6 +56,21 @@ __all__ = [
 
 # ln(2) for the kernel (Triton reads globals only as constexprs).
 LN2 = tl.constexpr(math.log(2.0))
+# Triton's interpreter multiplies bf16 dot operands as raw bit patterns (off by ~1e9 on unit inputs; triton-lang
+# issue 11584), so under it :func:`mma` widens them to fp32 first. A constant, so compiled kernels drop the branch.
+INTERPRETING = tl.constexpr(triton_interpreting())
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` (``acc`` None: ``a @ b``) with fp32 accumulation, as a tensor core computes it: bf16 operands
+    are exact in fp32, so widening them under the interpreter gives the products and sums the GPU's dot gives."""
+    if INTERPRETING:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -225,10 +242,10 @@ def _attn_kv_block(
     tail_col0: tl.constexpr = HEAD_DIM - D_TAIL
 
     k = _load_kv((K, stride_kt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
-    qk = tl.dot(q_main, tl.trans(k), input_precision=DOT_PRECISION)
+    qk = mma(q_main, tl.trans(k), None, DOT_PRECISION)
     if D_TAIL > 0:
         k = _load_kv((KTail, stride_kt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
-        qk = tl.dot(q_tail, tl.trans(k), qk, input_precision=DOT_PRECISION)
+        qk = mma(q_tail, tl.trans(k), qk, DOT_PRECISION)
     if MASK_KV:
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
 
@@ -241,10 +258,10 @@ def _attn_kv_block(
     p = p.to(q_main.dtype)
 
     v = _load_kv((V, stride_vt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
-    acc_main = tl.dot(p, v, acc_main * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_main = mma(p, v, acc_main * alpha[:, None], DOT_PRECISION)
     if D_TAIL > 0:
         v = _load_kv((VTail, stride_vt), block, tail_cols, HEAD_DIM, tail_col0, D_TAIL, BLOCK_N, MASK_KV, DESCRIPTORS)
-        acc_tail = tl.dot(p, v, acc_tail * alpha[:, None], input_precision=DOT_PRECISION)
+        acc_tail = mma(p, v, acc_tail * alpha[:, None], DOT_PRECISION)
     return (acc_main, acc_tail), m_new, l_i
 
 

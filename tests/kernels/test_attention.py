@@ -214,9 +214,9 @@ def test_random_layouts(lengths, num_heads, head_dim, seed):
     assert_close_to_float64(torch.ops.qvl.vision_attn(q, k, v, cu), q, k, v, cu)
 
 
-def test_bf16_with_fp32_accumulating_dots(bf16_dot_as_fp32):
-    """bf16 attention; on CPU the interpreter's dots take the bf16 operands exactly through the
-    ``bf16_dot_as_fp32`` shim (what tensor cores compute), elementwise bf16 is the interpreter's own."""
+def test_bf16_with_fp32_accumulating_dots():
+    """bf16 attention as a user runs it (no test shim): on CPU the interpreter's dots take the bf16 operands exactly,
+    widened to fp32 by the kernel (what tensor cores compute), elementwise bf16 is the interpreter's own."""
     lengths = [130, 17, 64]
     q, k, v = packed_qkv(sum(lengths), 2, 72, torch.bfloat16, seed=7)
     cu = cu_seqlens_of(lengths)

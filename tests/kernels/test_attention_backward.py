@@ -315,8 +315,8 @@ def test_compile_forward_and_backward_without_recompiles():
 
 
 @pytest.mark.parametrize("head_dim", [72, 80])
-def test_bf16_through_the_interpreter(head_dim, bf16_dot_as_fp32):
-    """The towers' training dtype on CPU: bf16 dots through the conftest shim (bf16 operands, fp32 accumulation, as
+def test_bf16_through_the_interpreter(head_dim):
+    """The towers' training dtype on CPU: bf16 dots through the interpreter (bf16 operands, fp32 accumulation, as
     a tensor core multiplies them), with rope, ragged segments and both head-dim tails."""
     q, k, v, cu, grad_out, positions = inputs([1, 40, 0, 17], 2, head_dim, torch.bfloat16, 31, True)
     grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)

@@ -93,7 +93,7 @@ def test_descriptors_change_no_bit(head_dim, dtype, rope, block):
 
 
 @interpreter_only
-def test_bf16_packed_qkv_with_rope(bf16_dot_as_fp32):
+def test_bf16_packed_qkv_with_rope():
     q, k, v = packed(72, torch.bfloat16, seed=12)
     positions = positions_for(True)
     pointer_out, _, _ = run_attention(q, k, v, CU_SEQLENS, {"DESCRIPTORS": False}, positions)

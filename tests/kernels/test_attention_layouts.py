@@ -119,7 +119,7 @@ def test_aligned_layouts_give_the_plain_path_result(layout, head_dim, dtype, rop
     assert torch.equal(aligned, plain)
 
 
-def test_bf16_packed_qkv(bf16_dot_as_fp32):
+def test_bf16_packed_qkv():
     """The tower's own case, bf16 packed qkv with rope, on the aligned path (dots through the fixture's
     exact bf16 products, as tensor cores compute them)."""
     q, k, v = packed(72, torch.bfloat16, seed=9)

@@ -151,7 +151,7 @@ def test_windowed_qwen25_layout_with_rope():
         assert_close_to_float64(out, q, k, v, cu, positions=positions, max_seqlen=hint)
 
 
-def test_bf16_window_tiles(bf16_dot_as_fp32):
+def test_bf16_window_tiles():
     lengths = [64, 16, 48, 1]
     q, k, v = packed_qkv(sum(lengths), 2, 80, torch.bfloat16, seed=9)
     cu = cu_seqlens_of(lengths)

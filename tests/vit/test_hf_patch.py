@@ -386,7 +386,7 @@ def test_autocast_falls_back_to_transformers_with_a_warning(tower_calls):
     assert torch.equal(got.pooler_output, expected.pooler_output)
 
 
-def test_autocast_to_the_weights_dtype_runs_on_qvl(tower_calls, bf16_dot_as_fp32):
+def test_autocast_to_the_weights_dtype_runs_on_qvl(tower_calls):
     """bf16 weights under bf16 autocast (HF Trainer's bf16=True on a bf16 model, the usual fine-tuning set-up):
     autocast changes nothing there, and the tower runs on qvl, within the rule of the unpatched bf16 model."""
     hf = hf_vision_model(seed=24, **TINY_VISION)

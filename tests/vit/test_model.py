@@ -60,8 +60,8 @@ def test_fp16_within_its_rounding():
     assert_matches(tower, hf, MIXED)
 
 
-def test_bf16_within_its_rounding(bf16_dot_as_fp32):
-    """bf16 attention dots via the conftest shim on CPU (bf16 operands, fp32 accumulation)."""
+def test_bf16_within_its_rounding():
+    """bf16 towers on CPU through the interpreter (bf16 dot operands, fp32 accumulation)."""
     hf = hf_vision_model(seed=3).bfloat16()
     tower = VisionTransformer.from_hf(hf).eval()
     assert_matches(tower, hf, MIXED[:2])
