@@ -111,4 +111,16 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   fi
 fi
 PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[${extras}]"
+# The test set-up also takes torchvision (transformers' torchvision-backed image and video processors, which the
+# preparation parity tests compare with): the release made for the installed torch (0.28 for torch 2.13), without
+# its dependencies, so that it never replaces the torch above. PyPI's build is a CUDA one; on a CPU-only machine it
+# imports through the tests' shim (tests/conftest.py).
+if [[ ",$extras," == *",test,"* ]]; then
+  # torchvision 0.(N+15) is the release made for torch 2.N.
+  torchvision="$("$py" -c "import torch; print(f'0.{int(torch.__version__.split(\".\")[1]) + 15}.0')")"
+  if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('torchvision') != '$torchvision')" \
+      2>/dev/null; then
+    "$py" -m pip install --quiet --no-deps "torchvision==$torchvision"
+  fi
+fi
 "$py" -c "import torch, triton, qvl.kernels; print(f'qvl installed: torch {torch.__version__}, triton {triton.__version__}')"
