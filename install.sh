@@ -113,14 +113,25 @@ fi
 PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[${extras}]"
 # The test set-up also takes torchvision (transformers' torchvision-backed image and video processors, which the
 # preparation parity tests compare with): the release made for the installed torch (0.28 for torch 2.13), without
-# its dependencies, so that it never replaces the torch above. PyPI's build is a CUDA one; on a CPU-only machine it
-# imports through the tests' shim (tests/conftest.py).
+# its dependencies, so that it never replaces the torch above.
 if [[ ",$extras," == *",test,"* ]]; then
   # torchvision 0.(N+15) is the release made for torch 2.N.
   torchvision="$("$py" -c "import torch; print(f'0.{int(torch.__version__.split(\".\")[1]) + 15}.0')")"
   if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('torchvision') != '$torchvision')" \
       2>/dev/null; then
     "$py" -m pip install --quiet --no-deps "torchvision==$torchvision"
+  fi
+  # PyPI's torchvision is a CUDA build. Beside a CPU torch its C++ operators cannot load, which it tolerates, but
+  # torchvision._meta_registrations then registers fake kernels for those missing operators and "import
+  # torchvision" fails ("operator torchvision::nms does not exist"), and with it every transformers model and image
+  # processor, which import torchvision wherever it is installed. Where that happens, this environment gets a start-up
+  # line (a .pth file) that puts a blank module in its place: those registrations only serve to trace torchvision's
+  # own C++ operators, which cannot run here anyway. A test environment's work-around, not part of qvl.
+  shim="$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/qvl_test_torchvision_shim.pth"
+  rm -f "$shim"
+  if ! "$py" -c "import torchvision" >/dev/null 2>&1; then
+    echo 'import sys, types; sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))' > "$shim"
+    "$py" -c "import torchvision.transforms.v2.functional"
   fi
 fi
 "$py" -c "import torch, triton, qvl.kernels; print(f'qvl installed: torch {torch.__version__}, triton {triton.__version__}')"

@@ -11,20 +11,8 @@ error bound) and this file's helpers by bare name.
 import contextlib
 import importlib.util
 import os
-import runpy
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# torchvision: install.sh puts PyPI's build beside the CPU torch (without its dependencies, so that it never brings a
-# CUDA torch), and that build is a CUDA one whose import fails here ("operator torchvision::nms does not exist");
-# tests/vllm/sitecustomize.py explains the blank torchvision._meta_registrations that makes it import. It runs in
-# this process, and its folder goes on PYTHONPATH so that the suite's subprocesses (qvl encode, torchrun ranks) run it
-# too; last, so that an engine environment's own shim folder stays first. A shim of the tests only: a user installs a
-# torchvision built for their torch.
-_TORCHVISION_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm")
-runpy.run_path(os.path.join(_TORCHVISION_SHIM, "sitecustomize.py"))
-if _TORCHVISION_SHIM not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), _TORCHVISION_SHIM]))
 
 # tests/vllm runs in .venv-vllm (bash install.sh vllm); where vllm is missing the folder is not collected.
 # A spec without origin is that folder itself, found as a namespace package (this folder is on sys.path).
