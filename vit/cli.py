@@ -30,7 +30,6 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -149,32 +148,22 @@ class _Input:
 
 
 def _open_rgb(path: Path):
-    """Decode ``path`` fully as an upright RGB PIL image, or raise :class:`CliError` naming it."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """Decode ``path`` fully as an upright RGB PIL image, transparency laid over white as transformers lays it
+    (:func:`~qvl.vit.encode.prepare.decode_image`), or raise :class:`CliError` naming it."""
+    from PIL import Image
+
+    from .encode.prepare import decode_image
 
     try:
-        # Images past PIL's decompression-bomb threshold (89M pixels) but under its hard limit decode fine; PIL's
-        # warning about them would print a site-packages path before a run that succeeds.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                image.load()
-                # Photos store their rotation in EXIF; transformers' load_image applies it, so do the same.
-                return ImageOps.exif_transpose(image).convert("RGB")
+        return Image.fromarray(decode_image(path))
     except FileNotFoundError:
         raise CliError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise CliError(f"{path}: is a directory (give frame folders with --video)") from None
     except PermissionError:
         raise CliError(f"{path}: permission denied") from None
-    except UnidentifiedImageError:
-        raise CliError(f"{path}: not an image file PIL can read") from None
-    except Image.DecompressionBombError as error:
+    except (OSError, ValueError) as error:
         raise CliError(f"{path}: {error}") from None
-    # PIL's decoders fail with many exception types on corrupt data (OSError, SyntaxError, ValueError,
-    # struct.error, ...); any of them means this file cannot be used.
-    except Exception as error:  # noqa: BLE001
-        raise CliError(f"{path}: unreadable image ({type(error).__name__}: {error})") from None
 
 
 def _check_image(path: Path) -> tuple[int, int]:

@@ -7,6 +7,7 @@ checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -17,6 +18,8 @@ __all__ = [
     "QWEN2_VL_PROCESSING",
     "QWEN3_VL_PROCESSING",
     "Processing",
+    "patch_rows",
+    "resize_frames",
     "sample_frame_indices",
     "sample_frame_indices_qwen2",
     "smart_resize",
@@ -226,28 +229,81 @@ class Processing:
             )
         return smart_resize(height, width, factor, self.video_min_pixels, max_pixels)
 
-    def video_pixel_values(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def image_size(self, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` the image processor resizes an image of ``height x width`` to."""
+        return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+
+    def image_pixel_values(self, pixels: torch.Tensor, fold: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """One image's ``(pixel_values, [1, h, w])`` as transformers' torchvision-backed image processor
+        (``Qwen2VLImageProcessor``) makes them from ``pixels``, ``(H, W, C)`` uint8 RGB on any device: resized
+        (:func:`resize_frames`), normalized in float32 and laid out in merge-block order (:func:`patch_rows`), the
+        image written once per temporal slot. ``fold``: written once, rows of ``C * patch_size**2`` values, for a
+        patch embedding whose temporal slices are summed (the tower's folded image path)."""
+        frames = resize_frames(pixels.permute(2, 0, 1)[None], self.image_size(*pixels.shape[:2]))
+        slots = 1 if fold else self.temporal_patch_size
+        mean, std = _scaled_mean_std(self.image_mean, self.image_std, frames.device)
+        return patch_rows(frames.expand(slots, -1, -1, -1), mean, std, self.patch_size, self.merge_size, slots)
+
+    def video_pixel_values(
+        self, frames: torch.Tensor, size: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """One video's ``(pixel_values, [t, h, w])`` as the family's video processor makes them from ``frames``,
-        ``(T, H, W, C)`` uint8 RGB: resized (bicubic, antialiased, on the uint8 frames, as torchvision resizes
-        them), normalized in float32, an odd frame count padded by repeating the last frame, and patches laid out
-        ``[t][merge-block order]``."""
-        num_frames, height, width, channels = frames.shape
+        ``(T, H, W, C)`` uint8 RGB on any device: resized to ``size`` ``(h, w)`` (default: :meth:`video_size` of
+        these frames) as transformers' torchvision backend resizes them (:func:`resize_frames`), normalized in
+        float32 (:func:`patch_rows`), a frame count short of whole temporal patches padded by repeating the last
+        frame, and patches laid out ``[t][merge-block order]``. Each frame is prepared alone, so the frames of whole
+        temporal patches of a longer video, given that video's size, make exactly that video's rows for them."""
         frames = frames.permute(0, 3, 1, 2)
-        size = self.video_size(num_frames, height, width)
-        if size != (height, width):
-            frames = F.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
-        # transformers fuses the 1/255 rescale into the mean and std, then subtracts and divides in float32.
-        scale = 1.0 / (1 / 255)
-        mean = (torch.tensor(self.image_mean) * scale).view(1, -1, 1, 1)
-        std = (torch.tensor(self.image_std) * scale).view(1, -1, 1, 1)
-        video = (frames.to(torch.float32) - mean) / std
-        if pad := -num_frames % self.temporal_patch_size:
-            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-        slots, patch, merge = self.temporal_patch_size, self.patch_size, self.merge_size
-        grid_t, grid_h, grid_w = video.shape[0] // slots, size[0] // patch, size[1] // patch
-        patches = video.view(grid_t, slots, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
-        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(grid_t * grid_h * grid_w, channels * slots * patch * patch), [grid_t, grid_h, grid_w]
+        frames = resize_frames(frames, size or self.video_size(frames.shape[0], *frames.shape[2:]))
+        if pad := -frames.shape[0] % self.temporal_patch_size:
+            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        mean, std = _scaled_mean_std(self.image_mean, self.image_std, frames.device)
+        return patch_rows(frames, mean, std, self.patch_size, self.merge_size, self.temporal_patch_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _scaled_mean_std(
+    image_mean: tuple[float, ...], image_std: tuple[float, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``image_mean`` and ``image_std`` (float32, on ``device``) times 255, as transformers' torchvision backend
+    fuses its 1/255 rescale into them, so that pixel values are ``(uint8 value - mean) / std`` in float32. Made once
+    per device: building them copies from host memory, which waits for the device's queued work."""
+    scale = 1.0 / (1 / 255)  # the backend's 1 / rescale_factor, bit for bit
+    mean = torch.tensor(image_mean, device=device) * scale
+    std = torch.tensor(image_std, device=device) * scale
+    return mean, std
+
+
+def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``frames`` ``(N, C, H, W)`` uint8 resized to ``size`` ``(h, w)`` as transformers' torchvision backend resizes
+    them (torchvision's bicubic, antialiased resize): on a CPU in uint8 (torch's kernel of PIL's algorithm, whose
+    passes each round and clip to 8 bits), on other devices in float32, clipped and rounded back to uint8 at the end.
+    Frames already of that size are returned as they are."""
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    if frames.device.type == "cpu":
+        return F.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
+    resized = F.interpolate(frames.float(), size=size, mode="bicubic", align_corners=False, antialias=True)
+    return resized.clamp_(0, 255).round_().to(torch.uint8)
+
+
+def patch_rows(
+    frames: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, patch_size: int, merge_size: int, slots: int
+) -> tuple[torch.Tensor, list[int]]:
+    """``frames`` ``(N, C, H, W)`` uint8 (any strides; ``N`` a multiple of ``slots``, ``H`` and ``W`` of
+    ``patch_size * merge_size``) as pixel values ``(x - mean) / std`` in float32 (``mean``, ``std``: ``(C,)`` on the
+    frames' device, the 1/255 rescale folded in), each run of ``slots`` frames one temporal patch, in rows
+    ``[t][merge-block order]`` of ``C * slots * patch_size**2`` values (channel, then slot, then the patch's pixels,
+    as transformers' processors lay them out). Returns ``(rows, [t, h, w])``."""
+    count, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = count // slots, height // patch_size, width // patch_size
+    blocks = (grid_t, slots, channels, grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size)
+    source = frames.view(*blocks, patch_size).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = torch.empty(source.shape, dtype=torch.float32, device=frames.device)
+    rows.copy_(source)
+    view = (channels, 1, 1, 1)
+    rows.sub_(mean.view(view)).div_(std.view(view))
+    return rows.view(grid_t * grid_h * grid_w, -1), [grid_t, grid_h, grid_w]
 
 
 def _pixel_bounds(values: dict, min_pixels: int, max_pixels: int) -> tuple[int, int]:
