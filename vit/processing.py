@@ -274,14 +274,15 @@ def _scaled_mean_std(
     return mean, std
 
 
-def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def resize_frames(frames: torch.Tensor, size: tuple[int, int], uint8_kernel: bool | None = None) -> torch.Tensor:
     """``frames`` ``(N, C, H, W)`` uint8 resized to ``size`` ``(h, w)`` as transformers' torchvision backend resizes
     them (torchvision's bicubic, antialiased resize): on a CPU in uint8 (torch's kernel of PIL's algorithm, whose
-    passes each round and clip to 8 bits), on other devices in float32, clipped and rounded back to uint8 at the end.
-    Frames already of that size are returned as they are."""
+    passes each round and clip to 8 bits), on other devices in float32, clipped and rounded back to uint8 at the end
+    (torch has no uint8 kernel there). ``uint8_kernel`` picks the recipe (None: by the device; the uint8 kernel
+    runs on a CPU only). Frames already of that size are returned as they are."""
     if tuple(frames.shape[-2:]) == tuple(size):
         return frames
-    if frames.device.type == "cpu":
+    if frames.device.type == "cpu" if uint8_kernel is None else uint8_kernel:
         return F.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
     resized = F.interpolate(frames.float(), size=size, mode="bicubic", align_corners=False, antialias=True)
     return resized.clamp_(0, 255).round_().to(torch.uint8)
