@@ -14,7 +14,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["qvl.kernels", "qvl.kernels.attention", "qvl.vit"],
+    packages=["qvl.kernels", "qvl.kernels.attention", "qvl.vit", "qvl.vit.encode"],
     package_dir={"qvl.kernels": "kernels", "qvl.vit": "vit"},
     package_data={"qvl.kernels": ["attention_tiles.json"]},  # the tuned attention tiles launch_config reads
     install_requires=[

@@ -21,17 +21,24 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, VisionTransformer, cli, families, processing
 from qvl.vit.checkpoint import save_vision_checkpoint
+from qvl.vit.encode import tower as encode_tower
+from qvl.vit.encode.errors import EncodeError
+from qvl.vit.encode.inputs import VideoFile, frame_files
+from qvl.vit.encode.options import EMBEDDED_MAX_PIXELS
+from qvl.vit.encode.prepare import Preparer
+from qvl.vit.encode.progress import Progress
 from tolerance import assert_error_within, resolution
 from towers import float64_vision_outputs, hf_vision_model_of, vision_outputs
 
 IMAGE_SIZES = {"square.png": (64, 64), "wide.jpg": (96, 160), "tiny.png": (32, 32)}  # name: (height, width)
+EMBEDDED_CONFIG = encode_tower.EMBEDDED_CONFIG
 TINY_CONFIG = VisionConfig(
     depth=2,
     hidden_size=64,
@@ -60,12 +67,14 @@ def images(tmp_path_factory) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def embedded_tower() -> VisionTransformer:
-    return VisionTransformer(cli.EMBEDDED_CONFIG).init_random_weights(cli.EMBEDDED_SEED)
+    return VisionTransformer(EMBEDDED_CONFIG).init_random_weights(encode_tower.EMBEDDED_SEED)
 
 
 def encode(*argv) -> int:
+    """``qvl encode ARGV`` in this process on the torch path, decoding in this process too unless ARGV says
+    ``--workers`` (its last value counts)."""
     with force_backend("torch"):
-        return cli.main(["encode", *map(str, argv)])
+        return cli.main(["encode", "--workers", "0", *map(str, argv)])
 
 
 def read_output(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -73,8 +82,8 @@ def read_output(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata()
 
 
-def qwen3_vl_image_processor(config: VisionConfig, min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(
+def qwen3_vl_image_processor(config: VisionConfig, min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessor:
+    return Qwen2VLImageProcessor(
         patch_size=config.patch_size,
         temporal_patch_size=config.temporal_patch_size,
         merge_size=config.spatial_merge_size,
@@ -103,16 +112,16 @@ def test_images_match_the_tower_on_transformers_preprocessing(images, embedded_t
     assert encode(*images, "--output", output, "--batch-size", 2, "--min-pixels", 1024) == 0
     tensors, metadata = read_output(output)
 
-    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, 1024, cli.EMBEDDED_MAX_PIXELS)
+    processor = qwen3_vl_image_processor(EMBEDDED_CONFIG, 1024, EMBEDDED_MAX_PIXELS)
     grids = []
     for index, path in enumerate(images):
         batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
         grid = batch["image_grid_thw"]
         t, h, w = grid[0].tolist()
         grids.append([t, h, w])
-        assert tensors[f"image.{index}.merged"].shape == (t * h * w // 4, cli.EMBEDDED_CONFIG.out_hidden_size)
+        assert tensors[f"image.{index}.merged"].shape == (t * h * w // 4, EMBEDDED_CONFIG.out_hidden_size)
         assert_features_match(tensors, index, embedded_tower, batch["pixel_values"], grid)
-    assert len(tensors) == 3 * (1 + len(cli.EMBEDDED_CONFIG.deepstack_visual_indexes))
+    assert len(tensors) == 3 * (1 + len(EMBEDDED_CONFIG.deepstack_visual_indexes))
     assert grids == [[1, 4, 4], [1, 6, 10], [1, 2, 2]]  # sides already multiples of 32: no resize
 
     assert json.loads(metadata["sources"]) == [str(path) for path in images]
@@ -145,9 +154,9 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
     )
     assert (grid_t, grid_h, grid_w) == (2, 4, 6)
 
-    prepare = cli._Preparer(dataclasses.replace(cli._model_kind(None)[3], video_min_pixels=1024))
-    item = cli._Input("video", str(folder), cli._frame_files(folder))
-    rows, grid = prepare(item)
+    prepare = Preparer(dataclasses.replace(encode_tower.model_kind(None)[3], video_min_pixels=1024), "cpu")
+    decoded = [np.asarray(Image.open(path)) for path in frame_files(str(folder))]
+    rows, grid = prepare.video(torch.from_numpy(np.stack(decoded)))
     assert grid == [2, 4, 6]
     # Normalized in fp32 in another order than transformers' (values in [-1, 1]): a few roundings of one ulp apart.
     torch.testing.assert_close(rows, expected[0], rtol=0, atol=4 * resolution(torch.float32))
@@ -157,7 +166,7 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
     tensors, metadata = read_output(output)
     assert json.loads(metadata["kinds"]) == ["image", "video"]
     assert json.loads(metadata["grid_thw"])[1] == [2, 4, 6]
-    assert tensors["image.1.merged"].shape == (2 * 4 * 6 // 4, cli.EMBEDDED_CONFIG.out_hidden_size)
+    assert tensors["image.1.merged"].shape == (2 * 4 * 6 // 4, EMBEDDED_CONFIG.out_hidden_size)
     assert_features_match(tensors, 1, embedded_tower, expected[0], [[2, 4, 6]])
 
 
@@ -187,7 +196,7 @@ def decode_all(path: Path) -> list[np.ndarray]:
 
 
 def test_sample_frame_indices_equal_qwen3_vl_video_processor():
-    """cli.sample_frame_indices is transformers' Qwen3VLVideoProcessor.sample_frames (callable without
+    """processing.sample_frame_indices is transformers' Qwen3VLVideoProcessor.sample_frames (callable without
     torchvision) over frame counts, frame rates, --fps and --max-frames, edge cases included."""
     checked = 0
     for max_frames in (1, 3, 4, 5, 16, 768):
@@ -196,18 +205,18 @@ def test_sample_frame_indices_equal_qwen3_vl_video_processor():
             for video_fps in (1.0, 8.0, 23.976023976023978, 25.0, 29.97002997002997, 60.0):
                 for fps in (0.5, 1.0, 2.0, 3.3, 30.0):
                     expected = processor.sample_frames(VideoMetadata(total_num_frames=total, fps=video_fps), fps=fps)
-                    got = cli.sample_frame_indices(total, video_fps, fps, max_frames)
+                    got = processing.sample_frame_indices(total, video_fps, fps, max_frames)
                     assert got == expected.tolist(), (total, video_fps, fps, max_frames)
                     checked += 1
     assert checked == 6 * 11 * 6 * 5
     # by hand: 16 frames at 8 fps are 2 s, 4 frames at 2 fps from frame 0 to 15; at least 4 frames
     # (min_frames) where there are that many; a stream with no rate counts as 24 fps, as in transformers
-    assert cli.sample_frame_indices(16, 8.0) == [0, 5, 10, 15]
-    assert cli.sample_frame_indices(16, 8.0, fps=4.0) == [0, 2, 4, 6, 9, 11, 13, 15]
-    assert cli.sample_frame_indices(16, 8.0, max_frames=3) == [0, 8, 15]
-    assert cli.sample_frame_indices(3, 30.0) == [0, 1, 2]
-    fallback = cli.sample_frame_indices(240, None)  # 10 s: 20 frames, 0 to 239 in steps of 239/19
-    assert fallback == cli.sample_frame_indices(240, 24.0) and len(fallback) == 20 and fallback[::19] == [0, 239]
+    assert processing.sample_frame_indices(16, 8.0) == [0, 5, 10, 15]
+    assert processing.sample_frame_indices(16, 8.0, fps=4.0) == [0, 2, 4, 6, 9, 11, 13, 15]
+    assert processing.sample_frame_indices(16, 8.0, max_frames=3) == [0, 8, 15]
+    assert processing.sample_frame_indices(3, 30.0) == [0, 1, 2]
+    fallback = processing.sample_frame_indices(240, None)  # 10 s: 20 frames, 0 to 239 in steps of 239/19
+    assert fallback == processing.sample_frame_indices(240, 24.0) and len(fallback) == 20 and fallback[::19] == [0, 239]
 
 
 @pytest.mark.parametrize("suffix", [".mp4", ".mov"])
@@ -218,10 +227,11 @@ def test_video_file_frames_equal_transformers_read_video_pyav(suffix, tmp_path):
     processor = Qwen3VLVideoProcessor()
     for fps in (2.0, 5.0):
         expected, metadata = read_video_pyav(path, sample_indices_fn=processor.sample_frames, fps=fps)
-        item = cli._video_file(str(path), fps, cli.QWEN3_VL_MAX_FRAMES)
-        assert item.sampling == {"frames": 30, "fps": 10.0, "indices": metadata.frames_indices.tolist()}
-        _, _, frames = cli._video_frames(path, keep=set(item.sampling["indices"]))
-        np.testing.assert_array_equal(np.stack([np.asarray(frame) for frame in frames]), expected)
+        video = VideoFile(str(path))
+        count, rate = video.probe()
+        indices = processing.sample_frame_indices(count, rate, fps)
+        assert (count, rate, indices) == (30, 10.0, metadata.frames_indices.tolist())
+        np.testing.assert_array_equal(np.stack(list(video.frames(indices))), expected)
     assert len(expected) == 15  # 3 s at --fps 5
 
 
@@ -284,8 +294,8 @@ def test_video_files_mix_with_images_and_folders_in_order(images, embedded_tower
     assert sampling[0] is sampling[2] is sampling[4] is None
     # The same file under two names, in batches of different shapes: each name's features are the tower's on the
     # frames it sampled, by the suite's rule.
-    prepare = cli._Preparer(dataclasses.replace(cli._model_kind(None)[3], video_min_pixels=1024))
-    rows, grid = prepare(cli._Input("video", str(clip), [], sampling[1]))
+    prepare = Preparer(dataclasses.replace(encode_tower.model_kind(None)[3], video_min_pixels=1024), "cpu")
+    rows, grid = prepare.video(torch.from_numpy(np.stack(list(VideoFile(str(clip)).frames(sampling[1]["indices"])))))
     assert grid == [2, 4, 4]
     for index in (1, 3):
         assert_features_match(tensors, index, embedded_tower, rows, [grid])
@@ -320,7 +330,7 @@ def test_model_directory_photo_gets_the_checkpoints_grid(checkpoint, tmp_path, c
     tensors, metadata = read_output(output)
     assert json.loads(metadata["grid_thw"]) == [[1, 68, 120]]
 
-    processor = Qwen2VLImageProcessorPil(**stated, patch_size=16, merge_size=2)
+    processor = Qwen2VLImageProcessor(**stated, patch_size=16, merge_size=2)
     batch = processor(images=[Image.open(photo).convert("RGB")], return_tensors="pt")
     assert batch["image_grid_thw"].tolist() == [[1, 68, 120]]
     assert_features_match(tensors, 0, tower, batch["pixel_values"], batch["image_grid_thw"])
@@ -365,7 +375,7 @@ def test_progress_bar_draws_only_on_a_terminal():
 
     terminal, log = Terminal(), io.StringIO()
     for stream in (terminal, log):
-        progress = cli._Progress(4, stream)
+        progress = Progress(4, stream)
         progress.update(2, 96)
         progress.close()
     drawn = terminal.getvalue()
@@ -377,42 +387,35 @@ def test_progress_bar_draws_only_on_a_terminal():
     "case, reason",
     [
         ("missing image", "no such file"),
-        ("text file named .png", "not an image file"),
+        ("missing video file", "no such file"),
+        ("missing --video path", "no such file or directory"),
         ("empty --model directory", "not found"),
         ("garbage safetensors", "safetensors"),
-        ("empty --video folder", "no frame images"),
-        ("video frames of two sizes", "all frames of a video must have one size"),
     ],
 )
-def test_errors_are_one_line_naming_the_file_and_write_nothing(case, reason, images, tmp_path, capsys):
+def test_usage_errors_are_one_line_naming_the_file_and_write_nothing(case, reason, images, tmp_path, capsys):
+    """What is wrong before any input is read (a path named on the command line that does not exist, a checkpoint
+    that does not load): one line naming it, exit status 2, nothing written."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     argv = [images[0]]
     if case == "missing image":
         culprit = tmp_path / "nope.png"
         argv.append(culprit)
-    elif case == "text file named .png":
-        culprit = tmp_path / "fake.png"
-        culprit.write_text("hello, not a PNG")
+    elif case == "missing video file":
+        culprit = tmp_path / "clip.mkv"
         argv.append(culprit)
+    elif case == "missing --video path":
+        culprit = tmp_path / "nothing"
+        argv += ["--video", culprit]
     elif case == "empty --model directory":
         (tmp_path / "empty").mkdir()
         culprit = tmp_path / "empty" / "config.json"
         argv += ["--model", tmp_path / "empty"]
-    elif case == "garbage safetensors":
+    else:
         # named by its directory or by the file itself (both start with the directory's path)
         culprit = garbage_checkpoint(tmp_path).parent
         argv += ["--model", culprit]
-    elif case == "empty --video folder":
-        culprit = tmp_path / "clip"
-        culprit.mkdir()
-        argv += ["--video", culprit]
-    else:
-        (tmp_path / "clip").mkdir()
-        random_picture(64, 64, 0).save(tmp_path / "clip" / "1.png")
-        culprit = tmp_path / "clip" / "2.png"
-        random_picture(64, 96, 1).save(culprit)
-        argv += ["--video", tmp_path / "clip"]
 
     assert encode(*argv, "--output", out_dir / "features.safetensors") == 2
     err = capsys.readouterr().err
@@ -435,58 +438,57 @@ def audio_only(path: Path, with_empty_video_stream: bool) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    "case, reason",
-    [
-        ("text file named .mp4", "not a video file PyAV can decode"),
-        ("corrupt mp4", "not a video file PyAV can decode"),
-        ("missing video file", "no such file"),
-        ("missing --video path", "no such file or directory"),
-        ("audio only", "no video stream"),
-        ("video stream without frames", "no video frames"),
-        ("text file given with --video", "not a video file PyAV can decode"),
-        ("PyAV not installed", "pip install av"),
-    ],
-)
-def test_video_file_errors_are_one_line_naming_the_file_and_write_nothing(
-    case, reason, images, tmp_path, capsys, monkeypatch
-):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    culprit = tmp_path / "clip.mkv"
-    argv = [images[0], culprit]
-    if case == "text file named .mp4":
-        culprit = tmp_path / "clip.mp4"
-        culprit.write_text("hello, not a video")
-        argv = [images[0], culprit]
-    elif case == "corrupt mp4":
-        # the container opens; the frames do not decode
-        culprit = make_video(tmp_path / "clip.mp4", frames=8, fps=8)
-        data = bytearray(culprit.read_bytes())
-        for offset in range(2000, len(data) - 2000, 7):
-            data[offset] ^= 0x55
-        culprit.write_bytes(bytes(data))
-        argv = [images[0], culprit]
-    elif case == "audio only":
-        audio_only(culprit, with_empty_video_stream=False)
-    elif case == "video stream without frames":
-        audio_only(culprit, with_empty_video_stream=True)
-    elif case == "missing --video path":
-        culprit = tmp_path / "nothing"
-        argv = [images[0], "--video", culprit]
-    elif case == "text file given with --video":
-        culprit = tmp_path / "clip.txt"
-        culprit.write_text("hello, not a video")
-        argv = [images[0], "--video", culprit]
-    elif case == "PyAV not installed":
-        make_video(culprit, frames=8, fps=8)
-        monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
-
-    assert encode(*argv, "--output", out_dir / "features.safetensors") == 2
+def test_unreadable_inputs_are_skipped_with_their_reasons(images, tmp_path, capsys):
+    """Inputs that cannot be read (not images, corrupt or frameless videos, frame folders without frames or of two
+    frame sizes) are each reported on one line with the reason, skipped and listed in the output's errors; the
+    readable one is encoded and the run succeeds."""
+    bad = {}
+    fake_png = tmp_path / "fake.png"
+    fake_png.write_text("hello, not a PNG")
+    bad[fake_png] = "not an image file"
+    fake_mp4 = tmp_path / "fake.mp4"
+    fake_mp4.write_text("hello, not a video")
+    bad[fake_mp4] = "not a video file PyAV can decode"
+    corrupt = make_video(tmp_path / "corrupt.mp4", frames=8, fps=8)  # the container opens; the frames do not decode
+    data = bytearray(corrupt.read_bytes())
+    for offset in range(2000, len(data) - 2000, 7):
+        data[offset] ^= 0x55
+    corrupt.write_bytes(bytes(data))
+    bad[corrupt] = "not a video file PyAV can decode"
+    bad[audio_only(tmp_path / "audio.mkv", with_empty_video_stream=False)] = "no video stream"
+    bad[audio_only(tmp_path / "frameless.mkv", with_empty_video_stream=True)] = "no video frames"
+    text = tmp_path / "clip.txt"
+    text.write_text("hello, not a video")
+    empty_folder = tmp_path / "empty_clip"
+    empty_folder.mkdir()
+    two_sizes = tmp_path / "two_sizes"
+    two_sizes.mkdir()
+    random_picture(64, 64, 0).save(two_sizes / "1.png")
+    random_picture(64, 96, 1).save(two_sizes / "2.png")
+    videos = {text: "not a video file PyAV can decode", empty_folder: "no frame images",
+              two_sizes: "all frames of a video must have one size"}  # fmt: skip
+    argv = [images[0], *bad, *[arg for path in videos for arg in ("--video", path)]]
+    output = tmp_path / "out.safetensors"
+    assert encode(*argv, "-o", output, "--min-pixels", 1024) == 0
     err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    assert err.startswith(f"qvl: error: {culprit}: ") and reason in err, err
-    assert list(out_dir.iterdir()) == []
+    tensors, metadata = read_output(output)
+    expected = {**bad, **videos}
+    errors = json.loads(metadata["errors"])
+    assert json.loads(metadata["sources"]) == [str(path) for path in (images[0], *expected)]
+    assert errors[0] is None and sorted(tensors) == ["image.0.deepstack.0", "image.0.deepstack.1", "image.0.merged"]
+    for error, (path, reason) in zip(errors[1:], expected.items(), strict=True):
+        assert reason in error, (path, error)
+        assert f"qvl: skipped {path}: {error}\n" in err
+    assert f"skipped {len(expected)} inputs" in err
+
+
+def test_without_pyav_video_files_are_skipped_saying_so(images, tmp_path, capsys, monkeypatch):
+    clip = make_video(tmp_path / "clip.mp4", frames=8, fps=8)
+    monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
+    output = tmp_path / "out.safetensors"
+    assert encode(images[2], clip, "-o", output, "--min-pixels", 1024) == 0
+    assert "pip install av" in json.loads(read_output(output)[1]["errors"])[1]
+    assert f"qvl: skipped {clip}: " in capsys.readouterr().err
 
 
 def test_without_pyav_images_and_folders_still_encode(images, tmp_path, monkeypatch):
@@ -502,6 +504,9 @@ def test_without_pyav_images_and_folders_still_encode(images, tmp_path, monkeypa
     [
         [],  # no inputs
         ["x.png", "--batch-size", "0"],
+        ["x.png", "--budget", "0"],
+        ["x.png", "--workers", "-1"],
+        ["x.png", "--shard-size", "12Q"],
         ["x.png", "--min-pixels", "4096", "--max-pixels", "1024"],
         ["x.png", "--video-min-pixels", "4096", "--video-max-pixels", "1024"],
         ["x.png", "--no-such-option"],  # the subcommand's own usage, not the top-level one
@@ -522,21 +527,35 @@ def test_cuda_devices_and_dtypes_are_checked_before_loading(monkeypatch):
     GPU computes in it, fp16 on an older one."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(cli.CliError, match=r"--device cuda:7: this machine has 1 CUDA device"):
-        cli._resolve_device("cuda:7")
-    assert cli._resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(EncodeError, match=r"--device cuda:7: this machine has 1 CUDA device"):
+        encode_tower.resolve_device("cuda:7")
+    assert encode_tower.resolve_device("cuda:0") == torch.device("cuda:0")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     for supported, dtype in ((True, "bfloat16"), (False, "float16")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
-        assert cli._default_dtype(torch.device("cuda")) == dtype
-    assert cli._default_dtype(torch.device("cpu")) == "float32"
+        assert encode_tower.default_dtype(torch.device("cuda")) == dtype
+    assert encode_tower.default_dtype(torch.device("cpu")) == "float32"
 
 
 def test_help_documents_the_output_layout(capsys):
     assert cli.main(["encode", "--help"]) == 0
-    out = capsys.readouterr().out
-    assert "image.{i}.merged" in out and "image.{i}.deepstack.{j}" in out and str(processing.QWEN3_VL_MAX_PIXELS) in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "image.{i}.merged" in out and "image.{i}.deepstack.{j}" in out and "index.jsonl" in out
     assert "--fps F" in out and "--max-frames N" in out and ".webm" in out and "linspace" in out
+    # The help's defaults, written without importing torch, are the processing module's.
+    assert f"4096^2 ({processing.QWEN3_VL_MAX_PIXELS}) pixels" in out and f"{EMBEDDED_MAX_PIXELS} (512^2)" in out
+    assert f"else {processing.QWEN3_VL_VIDEO_FPS:g}, Qwen3-VL's" in out
+    assert f"transformers' default {processing.QWEN3_VL_MAX_FRAMES};" in out
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    code = (
+        "import sys; from qvl.vit import cli; "
+        "codes = [cli.main(['encode', '--help']), cli.main(['encode', 'x.png', '--budget', '0'])]; "
+        "print(codes, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[-1] == "[0, 2] False", result.stdout + result.stderr
 
 
 def test_python_dash_m_entry_point_with_default_pixel_bounds(images, tmp_path):
@@ -549,7 +568,7 @@ def test_python_dash_m_entry_point_with_default_pixel_bounds(images, tmp_path):
     tensors, metadata = read_output(output)
     # Qwen3-VL's min_pixels (256*256) scales the 32x32 image up to 256x256: 16x16 patches, 64 merged rows
     assert json.loads(metadata["grid_thw"]) == [[1, 16, 16]]
-    assert tensors["image.0.merged"].shape == (64, cli.EMBEDDED_CONFIG.out_hidden_size)
+    assert tensors["image.0.merged"].shape == (64, EMBEDDED_CONFIG.out_hidden_size)
 
 
 def test_torchrun_weights_parallel_equals_single_process(images, embedded_tower, tmp_path):
@@ -582,7 +601,7 @@ def test_torchrun_weights_parallel_equals_single_process(images, embedded_tower,
     assert sorted(got) == sorted(expected)
     # The shards' split sums round differently, so the two need not be bit-equal: each is held to the
     # tower's rounding, hence both to each other's.
-    processor = qwen3_vl_image_processor(cli.EMBEDDED_CONFIG, processing.QWEN3_VL_MIN_PIXELS, cli.EMBEDDED_MAX_PIXELS)
+    processor = qwen3_vl_image_processor(EMBEDDED_CONFIG, processing.QWEN3_VL_MIN_PIXELS, EMBEDDED_MAX_PIXELS)
     for index, path in enumerate((images[0], images[2])):
         batch = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
         for tensors in (expected, got):
@@ -687,7 +706,7 @@ def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_ch
     assert json.loads(metadata["sampling"])[2]["indices"] == [0, 1, 3, 5]
 
     # The checkpoints have no processor configs: transformers' defaults, which are Qwen2-VL's.
-    processor = Qwen2VLImageProcessorPil()
+    processor = Qwen2VLImageProcessor()
     assert processor.patch_size == 14 and processor.size["shortest_edge"] == processing.QWEN2_VL_MIN_PIXELS
     assert (
         tuple(processor.image_mean) == processing.QWEN2_VL_IMAGE_MEAN

@@ -1,0 +1,104 @@
+"""The encode job's options (:class:`EncodeOptions`) and their defaults. Imports no torch: the command line builds its
+help and checks its arguments from here before anything heavy loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "DEFAULT_SHARD_BYTES",
+    "EMBEDDED_MAX_PIXELS",
+    "EncodeOptions",
+    "VIDEO_EXTENSIONS",
+    "default_workers",
+    "parse_size",
+]
+
+# The embedded demo tower's cap on a resized image: 4096^2 pixels (Qwen3-VL's own) are 65536 patches per image,
+# minutes of CPU time each for a tower whose features mean nothing. A checkpoint's images take its own cap.
+EMBEDDED_MAX_PIXELS = 512 * 512
+# Patches per batch: a 1920x1080 photo at Qwen3-VL's settings is 8,160; larger inputs run alone.
+DEFAULT_BUDGET = 16384
+DEFAULT_SHARD_BYTES = 256 * 2**20
+# Files with these suffixes are videos (decoded with PyAV); --video takes a file of any name.
+VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"})
+
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A byte count written as ``N``, ``Nk``, ``NM`` or ``NG`` (powers of 1024; a trailing ``B``/``iB`` allowed), at
+    least 1. Raises ValueError naming ``text`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 256M, 1G, 1000000)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size < 1:
+        raise ValueError(f"must be at least 1 byte, got {text!r}")
+    return size
+
+
+def default_workers(device_type: str) -> int:
+    """Decoding processes for a run on ``device_type``: on a GPU enough to keep it fed (the host only decodes); on a
+    CPU, whose cores also run the tower, one per two cores (they decode and prepare)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if device_type == "cuda":
+        return max(1, min(8, cores - 1))
+    return max(1, min(4, cores // 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeOptions:
+    """What one ``qvl encode`` run does (the command line's options, by the same names).
+
+    Attributes:
+        inputs: image and video files, folders (searched recursively), glob patterns.
+        videos: videos given as such: video files of any name, or folders of frame images (one video each).
+        lists: files of input paths, one a line (``-``: standard input).
+        output: a path ending in ``.safetensors`` (one file, written at the end), else a folder of shards and an
+            index, written as features arrive.
+        model: checkpoint directory or Hugging Face Hub id; None: the embedded random-weight tower.
+        dtype, device: torch names; None: the defaults for the device (:func:`qvl.vit.encode.tower.default_dtype`).
+        compile: torch.compile the tower.
+        fps, max_frames, min_pixels, max_pixels, video_min_pixels, video_max_pixels: overrides of the checkpoint's
+            preparation (None: its own).
+        parallel: None, ``"data"`` (each rank encodes its share of the inputs and writes its own shards) or
+            ``"weights"`` (the tower's layers split over the ranks).
+        budget: patches per batch; an input larger than the budget runs alone, a video in chunks within it.
+        batch_size: most inputs per batch (None: as many as the budget holds).
+        workers: decoding processes (0: decode in this process; None: :func:`default_workers`).
+        shard_bytes, shard_inputs: a shard is written once it holds this many bytes of features, or inputs.
+        resume: continue the run whose shards are in ``output``, skipping the inputs already written.
+        progress: draw the progress bar (on a terminal only).
+    """
+
+    inputs: tuple[str, ...] = ()
+    videos: tuple[str, ...] = ()
+    lists: tuple[str, ...] = ()
+    output: str = "features.safetensors"
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    compile: bool = False
+    fps: float | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    parallel: str | None = None
+    budget: int = DEFAULT_BUDGET
+    batch_size: int | None = None
+    workers: int | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    shard_inputs: int | None = None
+    resume: bool = False
+    progress: bool = True
+
+    @property
+    def single_file(self) -> bool:
+        """Whether the output is one safetensors file (else a folder of shards)."""
+        return self.output.lower().endswith(".safetensors")
