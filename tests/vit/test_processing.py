@@ -16,12 +16,13 @@ import pytest
 import torch
 from PIL import Image
 from test_cli import import_without_torchvision
-from transformers import Qwen2VLImageProcessorPil
+from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
-from qvl.vit import cli, families
+from qvl.vit import families
 from qvl.vit.checkpoint import read_processor_configs
+from qvl.vit.encode.prepare import Preparer, decode_image
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -128,14 +129,16 @@ def random_pixels(shape, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", FAMILY_PROCESSORS)
 def test_images_equal_the_checkpoints_image_processor(name, tmp_path):
+    """Decoded from a file and prepared as qvl encode does, bit for bit the torchvision-backed image processor's rows
+    (the PIL-backed one: tests/vit/encode/test_prepare.py)."""
     processing = checkpoint_processing(tmp_path, name)
-    expected_processor = Qwen2VLImageProcessorPil(**transformers_config(FAMILY_PROCESSORS[name][0]))
-    prepare = cli._Preparer(processing)
+    expected_processor = Qwen2VLImageProcessor(**transformers_config(FAMILY_PROCESSORS[name][0]))
+    prepare = Preparer(processing, "cpu")
     for seed, (height, width) in enumerate(IMAGE_SHAPES):
         path = tmp_path / f"{height}x{width}.png"
         Image.fromarray(random_pixels((height, width), seed)).save(path)
         expected = expected_processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")
-        pixel_values, grid = prepare(cli._Input("image", str(path), [path]))
+        pixel_values, grid = prepare.image(torch.from_numpy(decode_image(path)))
         assert grid == expected["image_grid_thw"][0].tolist(), (height, width)
         assert torch.equal(pixel_values, expected["pixel_values"]), (height, width)
     assert grid == GRID_1080P[name]
