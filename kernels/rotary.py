@@ -46,7 +46,7 @@ from .common import (
     runs_torch,
     value_checks_enabled,
 )
-from .tiles import aligned_stride, last_dim_contiguous
+from .tiles import aligned_stride, last_dim_contiguous, round_to
 
 __all__ = [
     "check_positions",
@@ -102,8 +102,8 @@ def _rotate_heads(X, XOut, x_strides, out_strides, tile, rope, num_heads, HALF: 
     for _ in range(num_heads):
         x1 = tl.load(x_rows, mask=mask, other=0.0)
         x2 = tl.load(x_rows + HALF, mask=mask, other=0.0)
-        tl.store(out_rows, rope_apply(x1, x2, cos, sin, -1.0).to(XOut.dtype.element_ty), mask=mask)
-        tl.store(out_rows + HALF, rope_apply(x2, x1, cos, sin, 1.0).to(XOut.dtype.element_ty), mask=mask)
+        tl.store(out_rows, round_to(rope_apply(x1, x2, cos, sin, -1.0), XOut.dtype.element_ty), mask=mask)
+        tl.store(out_rows + HALF, round_to(rope_apply(x2, x1, cos, sin, 1.0), XOut.dtype.element_ty), mask=mask)
         # Stepping the pointers keeps the head offset 64-bit: head * stride in int32 can pass 2**31 in a
         # head-major tensor whose token offsets do not.
         x_rows += stride_xh

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMA_CONTRACTION, KernelLaunch, cached_config, cdiv, next_power_of_2
+from .common import FMA_CONTRACTION, KernelLaunch, cached_config, cdiv, next_power_of_2, triton_interpreting
 
 __all__ = [
+    "INTERPRETING",
     "LOG2E",
     "PARTIAL_ROWS",
     "aligned_stride",
@@ -37,6 +38,7 @@ __all__ = [
     "last_dim_contiguous",
     "row_split",
     "row_tiles",
+    "round_to",
     "row_vector",
     "sum_partials_launch",
     "times_sigmoid",
@@ -45,6 +47,26 @@ __all__ = [
 
 # log2(e) for the kernels (Triton reads globals only as constexprs).
 LOG2E = tl.constexpr(math.log2(math.e))
+# Whether the kernels run in Triton's interpreter: a constant, so compiled kernels drop the branches it decides.
+INTERPRETING = tl.constexpr(triton_interpreting())
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """``x`` converted to ``dtype``, an fp32 value rounded to the nearest bf16 (ties to even) as a GPU's conversion
+    rounds it.
+
+    Triton's interpreter truncates fp32 -> bf16 whatever rounding is asked for. Truncation shrinks every value toward
+    zero by half an ulp on average: where a kernel rounds intermediates (attention's probabilities and rotated q and
+    k), that bias adds up coherently instead of averaging out, and the interpreter would compute less accurately than
+    the GPU it stands in for. So under it the rounding is done on the bits (a NaN's bits are kept). Compiled
+    kernels take the plain conversion."""
+    if INTERPRETING:
+        if x.dtype == tl.float32 and dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = tl.where(x == x, bits + 0x7FFF + ((bits >> 16) & 1), bits)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit

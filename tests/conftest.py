@@ -1,8 +1,10 @@
-"""Test set-up: the Triton kernels run on CPU through Triton's interpreter.
+"""Test set-up: the Triton kernels run compiled on a CUDA GPU where there is one, else on CPU through Triton's
+interpreter.
 
 Triton decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET must be set
-before qvl.kernels is imported; this file runs first. Tests reach the pure-torch path with
-``force_backend("torch")``.
+before qvl.kernels is imported; this file runs first. A plain ``pytest`` on a machine with a CUDA GPU
+runs the GPU tests (TRITON_INTERPRET=1 set by the caller still selects the interpreter there). Tests
+reach the pure-torch path with ``force_backend("torch")``.
 
 pytest puts this folder on sys.path, so tests in every subfolder import ``tolerance`` (the suite's one
 error bound) and this file's helpers by bare name.
@@ -12,7 +14,9 @@ import contextlib
 import importlib.util
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # imported before TRITON_INTERPRET is set: torch alone does not import Triton
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 # tests/vllm runs in .venv-vllm (bash install.sh vllm); where vllm is missing the folder is not collected.
 # A spec without origin is that folder itself, found as a namespace package (this folder is on sys.path).
@@ -24,10 +28,12 @@ if _sglang is None or _sglang.origin is None:
     collect_ignore_glob += ["sglang", "sglang/*"]
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import qvl.kernels  # noqa: E402,F401
 from qvl.kernels.common import backend_for, force_backend  # noqa: E402
+
+# The rotary's float64 truth, written from transformers' code (qvl.kernels.verify); tests import it from here.
+from qvl.kernels.verify import float64_rotary  # noqa: E402,F401
 
 ON_GPU = torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -51,27 +57,6 @@ def norm_params(cols: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     weight = (1.0 + 0.3 * torch.randn(cols, device=device)).to(dtype)
     bias = (0.2 * torch.randn(cols, device=device)).to(dtype)
     return weight, bias
-
-
-def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-VL's 2D rotary of q and k entirely in float64: the ground truth of the rotary and attention tests.
-
-    Written here from transformers' Qwen3-VL vision code (``Qwen3VLVisionRotaryEmbedding`` over head_dim / 2
-    with inverse frequencies ``theta ** (-2i / (head_dim / 2))``, each token's row angles then its column angles,
-    the whole repeated twice, and ``apply_rotary_pos_emb_vision``'s rotate-half), not from qvl's reference: a
-    truth computed by the code under test would let a misreading of the model pass, since the tolerance rule
-    measures qvl against the truth. Inverse frequencies in float64 too (transformers and the kernels compute them
-    in fp32, a rounding of each implementation the truth must not share with one of them)."""
-    q, k = q.double(), k.double()
-    half = q.shape[-1] // 2
-    inv_freq = 1.0 / rope_theta ** (torch.arange(0, half, 2, dtype=torch.float64, device=q.device) / half)
-    angles = (positions.double()[..., None] * inv_freq).flatten(1)  # (T, half): row angles, then column angles
-    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        return x * angles.cos() + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * angles.sin()
-
-    return rotate(q), rotate(k)
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
+# The tests' segment offsets are the checks' own (re-exported: tests import it from here).
+from qvl.kernels.verify import cu_seqlens_of  # noqa: F401
+
 IMAGE_TOKEN_ID = 60
 VIDEO_TOKEN_ID = 61
 VISION_START_TOKEN_ID = 62
@@ -31,14 +34,6 @@ VISION_KWARGS = dict(
 # modules that mark themselves with this (``pytestmark = FALLBACKS_ARE_ERRORS``) make a fallback an error unless a
 # test expects it (pytest.warns, or warnings caught and recorded).
 FALLBACKS_ARE_ERRORS = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
-
-
-def cu_seqlens_of(lengths, device="cpu") -> torch.Tensor:
-    """int32 segment offsets ``[0, l0, l0 + l1, ...]`` of segments of ``lengths`` tokens, on ``device``."""
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
 def vision_config(**overrides) -> Qwen3VLVisionConfig:

@@ -28,7 +28,7 @@ from ..common import (
     runs_torch,
 )
 from ..rotary import rotary_2d_reference, rotary_launches
-from ..tiles import LOG2E, aligned_stride, last_dim_contiguous, row_vector, vector_multiple
+from ..tiles import LOG2E, aligned_stride, last_dim_contiguous, round_to, row_vector, vector_multiple
 from .config import backward_launch_config, needs_wide_offsets, segment_search_steps
 from .forward import (
     check_attn_args,
@@ -199,12 +199,12 @@ def _attn_bwd_dkdv_q_block(
         lse = tl.load(Lse + offs_m)
         delta = tl.load(Delta + offs_m)
     p_t = tl.exp2(s_t * qk_scale - (lse * LOG2E)[None, :])
-    p_low = p_t.to(Q.dtype.element_ty)
+    p_low = round_to(p_t, Q.dtype.element_ty)
 
     do = _load_pair(DO, rows, stride_dot, cols, q_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_Q)
     dv = _dot_into_head_dim(p_low, do, dv, DOT_PRECISION, D_TAIL)
     dp_t = _dot_over_head_dim(v, do, DOT_PRECISION, D_TAIL)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+    ds_t = round_to(p_t * (dp_t - delta[None, :]), Q.dtype.element_ty)
     dk = _dot_into_head_dim(ds_t, q, dk, DOT_PRECISION, D_TAIL)
     return dk, dv
 
@@ -396,7 +396,7 @@ def _attn_bwd_dq_kv_block(
 
     v = _load_pair(V, rows, stride_vt, cols, kv_mask, HEAD_DIM, D_MAIN, D_TAIL, MASK_KV)
     dp = _dot_over_head_dim(do, v, DOT_PRECISION, D_TAIL)
-    ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
+    ds = round_to(p * (dp - delta[:, None]), K.dtype.element_ty)
     return _dot_into_head_dim(ds, k, dq, DOT_PRECISION, D_TAIL)
 
 

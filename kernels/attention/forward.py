@@ -25,7 +25,6 @@ from ..common import (
     check_tensor,
     device_target,
     run_launches,
-    triton_interpreting,
 )
 from ..rotary import (
     check_positions,
@@ -37,7 +36,7 @@ from ..rotary import (
     rotary_2d_torch,
     rotary_launches,
 )
-from ..tiles import aligned_stride
+from ..tiles import INTERPRETING, aligned_stride, round_to
 from .config import MAX_HEAD_DIM, attention_plan, descriptor_of, segment_class
 
 __all__ = [
@@ -56,15 +55,14 @@ __all__ = [
 
 # ln(2) for the kernel (Triton reads globals only as constexprs).
 LN2 = tl.constexpr(math.log(2.0))
-# Triton's interpreter multiplies bf16 dot operands as raw bit patterns (off by ~1e9 on unit inputs; triton-lang
-# issue 11584), so under it :func:`mma` widens them to fp32 first. A constant, so compiled kernels drop the branch.
-INTERPRETING = tl.constexpr(triton_interpreting())
 
 
 @triton.jit
 def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` (``acc`` None: ``a @ b``) with fp32 accumulation, as a tensor core computes it: bf16 operands
-    are exact in fp32, so widening them under the interpreter gives the products and sums the GPU's dot gives."""
+    """``acc + a @ b`` (``acc`` None: ``a @ b``) with fp32 accumulation, as a tensor core computes it. Triton's
+    interpreter multiplies bf16 dot operands as raw bit patterns (off by ~1e9 on unit inputs; triton-lang issue
+    11584): bf16 operands are exact in fp32, so widening them there gives the products and sums the GPU's dot
+    gives."""
     if INTERPRETING:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
@@ -147,7 +145,7 @@ def _load_q(
         if MASK_COLS:
             # Padding columns past HEAD_DIM hold x_partner * sin: zero them so they add nothing to q.k.
             x = tl.where(cols[None, :] < HEAD_DIM, x, 0.0)
-        x = x.to(base.dtype.element_ty)
+        x = round_to(x, base.dtype.element_ty)
     return x
 
 
@@ -197,7 +195,7 @@ def store_rows(base, rows, stride_t, cols, row_mask, x, FIRST_COL: tl.constexpr,
     rounded to base's dtype: only columns in ``[FIRST_COL, HEAD_DIM)`` (a tail tile stores the columns past the
     main tile; a main tile wider than the head, the head's)."""
     mask = row_mask[:, None] & (cols[None, :] >= FIRST_COL) & (cols[None, :] < HEAD_DIM)
-    tl.store(base + rows[:, None] * stride_t + cols[None, :], x.to(base.dtype.element_ty), mask=mask)
+    tl.store(base + rows[:, None] * stride_t + cols[None, :], round_to(x, base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -255,7 +253,7 @@ def _attn_kv_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(q_main.dtype)
+    p = round_to(p, q_main.dtype)
 
     v = _load_kv((V, stride_vt), block, main_cols, HEAD_DIM, 0, D_MAIN, BLOCK_N, MASK_KV, DESCRIPTORS)
     acc_main = mma(p, v, acc_main * alpha[:, None], DOT_PRECISION)

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ON_GPU, float64_rotary
-from qvl.kernels import attention, force_backend, rotary_2d_reference, vision_attn_reference
+from conftest import ON_GPU
+from qvl.kernels import attention, force_backend, verify
 from qvl.kernels.attention import head_dim_tiles, launch_config
 from qvl.kernels.common import HOPPER, device_target
-from tolerance import assert_error_within, online_softmax_ulps
+from tolerance import assert_error_within
 from towers import cu_seqlens_of
 
 
@@ -28,51 +28,21 @@ def packed_qkv(num_tokens, num_heads, head_dim, dtype, device="cpu", seed=0):
     return qkv.unbind(1)
 
 
-def attention_in_dtype(q, k, v, cu_seqlens, scale):
-    """Plain eager attention computed in the inputs' dtype: torch's own error in that dtype."""
-    out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
-            weights = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
-            out[start:end] = (weights @ vs).transpose(0, 1)
-    return out
-
-
-def max_abs_logit(q, k, cu_seqlens, scale):
-    """The largest ``|q.k| * scale`` within a segment, in float64."""
-    bounds = cu_seqlens.tolist()
-    largest = 0.0
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            qs, ks = (x[start:end].double().transpose(0, 1) for x in (q, k))
-            largest = max(largest, float((qs @ ks.transpose(1, 2)).abs().max()) * scale)
-    return largest
-
-
-def float64_attention(q, k, v, cu_seqlens, softmax_scale=None, positions=None):
-    """The ground truth: the rotary (given positions) and the attention, entirely in float64."""
-    if positions is not None:
-        q, k = float64_rotary(q, k, positions)
-    return vision_attn_reference(q.double(), k.double(), v.double(), cu_seqlens, softmax_scale)
-
-
 def assert_close_to_float64(out, q, k, v, cu_seqlens, softmax_scale=None, positions=None, target=None, max_seqlen=None):
-    """The suite's rule (tolerance.py): the error against float64 is at most twice that of torch's own
-    attention in the same dtype (rotary first, as transformers does, rounding q and k to the dtype), plus
-    :func:`online_softmax_ulps` units of the dtype's resolution at the output's scale for the key blocks of
-    the tiles the kernel ran with (``target``: the one it was launched for, default q's device's;
+    """The checks' rule (qvl.kernels.verify, the tolerance rule per segment): each segment's error against float64
+    (torch's own attention, the rotary written from transformers') is at most twice that of torch's own attention
+    in the same dtype on that segment (the rotary as transformers computes it first, rounding q and k to the
+    dtype), plus two ulps of the dtype and the online softmax's fp32 roundings at the segment's scale, for the key
+    blocks of the tiles the kernel ran with (``target``: the one it was launched for, default q's device's;
     ``max_seqlen``: the tile hint it was given)."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    truth = float64_attention(q, k, v, cu_seqlens, scale, positions)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert torch.isfinite(out).all()
-    block_n = launch_config(q.shape[-1], q.dtype, target or device_target(q.device), max_seqlen)["BLOCK_N"]
-    if positions is not None:
-        q, k = rotary_2d_reference(q, k, positions)
-    ulps = online_softmax_ulps(cu_seqlens.cpu(), block_n, max_abs_logit(q, k, cu_seqlens, scale))
-    assert_error_within(out, truth, attention_in_dtype(q, k, v, cu_seqlens, scale), ulps=ulps, what="attention")
+    block_n = verify.key_block(q.shape[-1], q.dtype, target or device_target(q.device), max_seqlen)
+    truth = verify.attention_truth(q, k, v, cu_seqlens, softmax_scale, positions)
+    baseline = verify.attention_baseline(q, k, v, cu_seqlens, softmax_scale, positions)
+    logits = verify.max_abs_logits(q, k, cu_seqlens, softmax_scale, positions)
+    for comparison in verify.attention_comparisons(out, truth, baseline, cu_seqlens, block_n, logits):
+        assert comparison.passed, comparison.message()
 
 
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129]
@@ -253,7 +223,7 @@ def test_torch_path_large_image():
     cu = cu_seqlens_of([4096, 600])
     with force_backend("torch"):
         out = torch.ops.qvl.vision_attn(q, k, v, cu)
-    truth = float64_attention(q, k, v, cu)
+    truth = verify.attention_truth(q, k, v, cu)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for start, end in ((0, 4096), (4096, 4696)):
         expected = sdpa(*(x[start:end].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
@@ -301,7 +271,7 @@ def test_matches_transformers_vision_attention():
         # (transformers' rotary computes in fp32 whatever the dtype, so the module alone cannot give it).
         attn64 = copy.deepcopy(attn).double()
         q64, k64, v64 = attn64.qkv(hidden.double()).view(-1, 3, 2, 72).unbind(1)
-        truth = attn64.proj(float64_attention(q64, k64, v64, cu, positions=positions).flatten(1))
+        truth = attn64.proj(verify.attention_truth(q64, k64, v64, cu, positions=positions).flatten(1))
     assert_error_within(got, truth, expected, what="Qwen3VLVisionAttention")
 
 
@@ -326,9 +296,8 @@ def test_compile_fullgraph_without_recompiles():
         qkv = torch.stack([q, k, v], dim=1)
         cu = cu_seqlens_of(lengths)
         positions = torch.randint(0, 20, (sum(lengths), 2), dtype=torch.int32)
-        expected = vision_attn_reference(q, k, v, cu, positions=positions).flatten(1) * 2.0
-        truth = float64_attention(q, k, v, cu, positions=positions).flatten(1) * 2.0
-        assert_error_within(compiled(qkv, cu, positions), truth, expected, what=f"compiled, lengths {lengths}")
+        out = compiled(qkv, cu, positions)
+        assert_close_to_float64(out.view(q.shape) / 2.0, q, k, v, cu, positions=positions)  # halving is exact
 
     check([30, 40, 50], seed=1)
     with torch.compiler.set_stance("fail_on_recompile"):

@@ -9,15 +9,15 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_attention import attention_in_dtype, cu_seqlens_of, float64_attention, max_abs_logit, packed_qkv
+from test_attention import cu_seqlens_of, packed_qkv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qvl.kernels.attention as attention
-from conftest import ON_GPU, float64_rotary
-from qvl.kernels import force_backend, rotary_2d_reference, vision_attn_reference
-from qvl.kernels.attention import backward_launch_config, launch_config
+from conftest import ON_GPU
+from qvl.kernels import force_backend, verify
+from qvl.kernels.attention import backward_launch_config
 from qvl.kernels.common import device_target
-from tolerance import assert_error_within, online_softmax_ulps, resolution, scale_of
+from tolerance import assert_error_within
 
 
 def gradients(fn, tensors, grad_out):
@@ -37,65 +37,24 @@ def kernel_gradients(q, k, v, cu_seqlens, grad_out, max_seqlen=None, softmax_sca
     return dqkv.unbind(1)
 
 
-def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, scale, positions=None):
-    """The scale of each of dq, dk, dv before its terms cancel, in float64: what each gradient would be if every
-    term of its sums added with one sign, ``|dS| <= P * (|dP| + |delta|)`` in place of ``dS = P * (dP - delta)``
-    (``dP = dO v^T``, ``delta = rowsum(dO * out)``) and absolute values of the operands; with positions, of the
-    rotated q and k (the gradients before the rotation back).
-
-    ``dP - delta`` cancels exactly for a one-token segment: its dq and dk are 0 in float64 and in torch's one-pass
-    softmax backward, so the tolerance rule's bound is 0 there. A kernel that computes ``delta`` from the stored
-    output, as flash attention's backward does, sums the same products as ``dP`` in another order, in its float32
-    accumulators, and leaves a few float32 roundings at these scales instead."""
-    if positions is not None:
-        q, k = float64_rotary(q, k, positions)
-    q, k, v, grad_out = (x.double() for x in (q, k, v, grad_out))
-    scales = [torch.zeros_like(q) for _ in range(3)]
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            qs, ks, vs, dos = (x[start:end].transpose(0, 1) for x in (q, k, v, grad_out))
-            probs = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
-            d_probs = dos @ vs.transpose(1, 2)
-            delta = (dos * (probs @ vs)).sum(-1, keepdim=True)
-            d_logits = probs * (d_probs.abs() + delta.abs()) * scale
-            segment = (d_logits @ ks.abs(), d_logits.transpose(1, 2) @ qs.abs(), probs.transpose(1, 2) @ dos.abs())
-            for whole, part in zip(scales, segment):
-                whole[start:end] = part.transpose(0, 1)
-    return scales
-
-
-def assert_gradients_close_to_float64(grads, q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None):
-    """The suite's rule (tolerance.py) for each of dq, dk, dv: the error against float64 autograd of the
-    float64 reference is at most twice that of torch's own autograd in the same dtype (rotary first, as in
-    the forward's tests), plus the forward's :func:`online_softmax_ulps` units of the dtype's resolution at the
-    gradient's scale: the backward rebuilds every probability from the forward's log-sum-exp, so it inherits that
-    sum's roundings (one per key block) and the base-2 exponent's argument (one per unit of the logits' range).
-    Where the gradient's terms cancel to (nearly) nothing, the same ulps of the float32 accumulators' resolution
-    at the scale of the terms (:func:`uncancelled_gradient_scales`) bound it instead."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    truth = gradients(
-        lambda q, k, v: float64_attention(q, k, v, cu_seqlens, scale, positions),
-        [q.double(), k.double(), v.double()],
-        grad_out.double(),
-    )
-
-    def in_dtype(q, k, v):
-        if positions is not None:
-            q, k = rotary_2d_reference(q, k, positions)
-        return attention_in_dtype(q, k, v, cu_seqlens, scale)
-
-    baseline = gradients(in_dtype, [q, k, v], grad_out)
+def assert_gradients_close_to_float64(
+    grads, q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None, max_seqlen=None
+):
+    """The checks' rule (qvl.kernels.verify) for each of dq, dk, dv, per segment: the error against float64 autograd
+    of the float64 truth is at most twice that of torch's own autograd in the same dtype (rotary first, as in the
+    forward's tests), plus two ulps of the dtype at the gradient's scale and the online softmax's fp32 roundings for
+    the shortest block the forward and backward kernels step through: the backward rebuilds every probability from
+    the forward's log-sum-exp, so it inherits that sum's roundings. Where the gradient's terms cancel to (nearly)
+    nothing (a one-token segment's dq and dk), those fp32 roundings count at the scale of the terms
+    (:func:`qvl.kernels.verify.uncancelled_gradient_scales`)."""
     for grad in grads:
         assert grad.shape == q.shape and grad.dtype == q.dtype and torch.isfinite(grad).all()
-    q_rot, k_rot = (q, k) if positions is None else rotary_2d_reference(q, k, positions)
-    block_n = launch_config(q.shape[-1], q.dtype, device_target(q.device))["BLOCK_N"]
-    ulps = online_softmax_ulps(cu_seqlens, block_n, max_abs_logit(q_rot, k_rot, cu_seqlens, scale))
-    accumulator = torch.promote_types(q.dtype, torch.float32)
-    uncancelled = uncancelled_gradient_scales(q, k, v, cu_seqlens.cpu(), grad_out, scale, positions)
-    for name, grad, true_grad, torch_grad, terms in zip(("dq", "dk", "dv"), grads, truth, baseline, uncancelled):
-        eps = ulps * max(resolution(q.dtype) * scale_of(true_grad), resolution(accumulator) * scale_of(terms))
-        assert_error_within(grad, true_grad, torch_grad, eps=eps, what=name)
+    block = verify.key_block(q.shape[-1], q.dtype, device_target(q.device), max_seqlen, backward=True)
+    comparisons = verify.attention_gradient_comparisons(
+        grads, q, k, v, cu_seqlens, grad_out, block, softmax_scale, positions
+    )
+    for comparison in comparisons:
+        assert comparison.passed, comparison.message()
 
 
 def inputs(lengths, num_heads, head_dim, dtype, seed, with_positions):
@@ -144,7 +103,7 @@ def test_window_tiles_and_softmax_scale(head_dim_layout, use_head_dim_layout):
     lengths = [64, 30, 0, 64]
     q, k, v, cu, grad_out, positions = inputs(lengths, 1, 80, torch.float16, 5, True)
     grads = kernel_gradients(q, k, v, cu, grad_out, max_seqlen=64, softmax_scale=0.2, positions=positions)
-    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, softmax_scale=0.2, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, 0.2, positions, max_seqlen=64)
 
 
 def test_torch_path():
@@ -156,23 +115,27 @@ def test_torch_path():
 
 
 def test_forward_log_sum_exp():
-    """The saved log-sum-exp against float64, by torch's own (the torch path's ``logsumexp`` in fp32) with
-    the online softmax's ulps; the training forward's output is bit-identical to the inference one."""
+    """The saved log-sum-exp against float64 (the rotary written from transformers', torch's logsumexp), by torch's
+    own in fp32 (transformers' rotary in fp32, torch's logsumexp) with the online softmax's fp32 roundings; the
+    training forward's output is bit-identical to the inference one."""
     lengths = [50, 0, 70]
     q, k, v, cu, _, positions = inputs(lengths, 2, 72, torch.float32, 3, True)
-    q64, k64 = (x.transpose(0, 1) for x in rotary_2d_reference(q.double(), k.double(), positions))
-    logits = [q64[:, s:e] @ k64[:, s:e].transpose(1, 2) * 72**-0.5 for s, e in ((0, 50), (50, 120))]
-    truth = torch.cat([torch.logsumexp(x, -1) for x in logits], 1).flatten()
+
+    def log_sum_exp(q, k):
+        q, k = (x.transpose(0, 1) for x in (q, k))
+        logits = [q[:, s:e] @ k[:, s:e].transpose(1, 2) * 72**-0.5 for s, e in verify.segment_bounds(cu)]
+        return torch.cat([torch.logsumexp(x, -1) for x in logits], 1).flatten()
+
+    truth = log_sum_exp(*verify.float64_rotary(q, k, positions))
+    in_torch = log_sum_exp(*verify.rotary_in_fp32(q, k, positions))
     args = (q, k, v, cu, None, None, positions, 10000.0)
     out, lse = torch.ops.qvl.vision_attn_with_lse(*args)
     assert torch.equal(out, torch.ops.qvl.vision_attn(*args))
     assert lse.shape == (2 * 120,) and lse.dtype == torch.float32 and lse.is_contiguous()
-    with force_backend("torch"):
-        _, in_torch = torch.ops.qvl.vision_attn_with_lse(*args)
-    block_n = launch_config(72, torch.float32, device_target(q.device))["BLOCK_N"]
-    q_rot, k_rot = rotary_2d_reference(q, k, positions)
-    ulps = online_softmax_ulps(cu, block_n, max_abs_logit(q_rot, k_rot, cu, 72**-0.5))
-    assert_error_within(lse, truth, in_torch, ulps=ulps, what="log-sum-exp")
+    block_n = verify.key_block(72, torch.float32, device_target(q.device))
+    logit = max(verify.max_abs_logits(q, k, cu, positions=positions))
+    wide = verify.online_softmax_wide_ulps(max(lengths), block_n, logit)
+    assert_error_within(lse, truth, in_torch, wide_ulps=wide, what="log-sum-exp")
 
 
 class ForwardOps(TorchDispatchMode):
@@ -282,32 +245,24 @@ def test_compile_forward_and_backward_without_recompiles():
     """One compiled training step through both autograd formulas, vision_attn with the fused rotary and
     rotary_2d before a plain vision_attn, over batches of other sizes and layouts, with no recompile."""
 
-    def step(qkv, cu_seqlens, positions):
+    # One compiled step per formula: a compiled backward frees its saved buffers, so each output gets its own graph.
+    def fused(qkv, cu_seqlens, positions):
         q, k, v = qkv.unbind(1)
-        fused = torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions)
+        return torch.ops.qvl.vision_attn(q, k, v, cu_seqlens, positions=positions)
+
+    def separate(qkv, cu_seqlens, positions):
+        q, k, v = qkv.unbind(1)
         q_rot, k_rot = torch.ops.qvl.rotary_2d(q, k, positions)
-        separate = torch.ops.qvl.vision_attn(q_rot, k_rot, v, cu_seqlens)
-        return fused * 2.0 - separate
+        return torch.ops.qvl.vision_attn(q_rot, k_rot, v, cu_seqlens)
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=True)
-
-    def reference(qkv, cu_seqlens, positions):
-        q, k, v = qkv.unbind(1)
-        q_rot, k_rot = rotary_2d_reference(q, k, positions)
-        fused = vision_attn_reference(q, k, v, cu_seqlens, positions=positions)
-        return fused * 2.0 - vision_attn_reference(q_rot, k_rot, v, cu_seqlens)
+    steps = [torch.compile(step, fullgraph=True, dynamic=True) for step in (fused, separate)]
 
     def check(lengths, seed):
         q, k, v, cu, grad_out, positions = inputs(lengths, 2, 72, torch.float32, seed, True)
-        qkv = torch.stack([q, k, v], dim=1)
-        (got,) = gradients(lambda x: compiled(x, cu, positions), [qkv], grad_out)
-        (expected,) = gradients(lambda x: reference(x, cu, positions), [qkv], grad_out)
-        (truth,) = gradients(lambda x: reference(x, cu, positions), [qkv.double()], grad_out.double())
-        block_n = launch_config(72, torch.float32, device_target(q.device))["BLOCK_N"]
-        scale = 72**-0.5
-        q_rot, k_rot = rotary_2d_reference(q, k, positions)
-        ulps = online_softmax_ulps(cu, block_n, max_abs_logit(q_rot, k_rot, cu, scale))
-        assert_error_within(got, truth, expected, ulps=ulps, what=f"compiled gradient, lengths {lengths}")
+        for step in steps:
+            qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+            (dqkv,) = torch.autograd.grad(step(qkv, cu, positions), qkv, grad_out)
+            assert_gradients_close_to_float64(dqkv.unbind(1), q, k, v, cu, grad_out, positions=positions)
 
     check([30, 40, 50], seed=1)
     with torch.compiler.set_stance("fail_on_recompile"):

@@ -9,11 +9,10 @@ from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
 from inprocess import vllm_world
-from qvl.kernels.attention import launch_config
+from qvl.kernels import verify
 from qvl.kernels.common import device_target, force_backend
 from qvl.vit import vllm_routes
 from qvl.vit.vllm_attention import QvlEncoderAttention
-from tolerance import assert_error_within, online_softmax_ulps
 from towers import cu_seqlens_of
 
 # Segment lengths with an empty one, one of a single token and one over a 64-key block.
@@ -39,19 +38,23 @@ def vllm_qkv(num_tokens, num_heads, head_size, dtype, batch=1, seed=0):
     return qkv.unbind(2)
 
 
-def ulps_for(q, k, cu_seqlens, scale):
-    """The online softmax's own roundings (tolerance.online_softmax_ulps) for the kernel's key block."""
-    block_n = launch_config(q.shape[-1], q.dtype, device_target(q.device))["BLOCK_N"]
-    logits = torch.einsum("bshd,bthd->bhst", q.double(), k.double()).abs().max().item() * scale
-    return online_softmax_ulps(cu_seqlens, block_n, logits)
+def assert_close(out, truth, baseline, q, k, cu_seqlens, what, max_seqlen=None):
+    """The checks' rule (qvl.kernels.verify: the tolerance rule per segment, with the online softmax's fp32
+    roundings for the kernel's key block), vLLM's own layer giving the float64 truth and the baseline in the dtype.
+    Every tensor is read as ``(T, H, D)``, the tokens of ``cu_seqlens``; ``max_seqlen``: the op's tile hint."""
+    q, k = (x.reshape(-1, *x.shape[-2:]) for x in (q, k))
+    out, truth, baseline = (x.reshape(q.shape) for x in (out, truth, baseline))
+    block_n = verify.key_block(q.shape[-1], q.dtype, device_target(q.device), max_seqlen)
+    logits = verify.max_abs_logits(q, k, cu_seqlens)
+    for comparison in verify.attention_comparisons(out, truth, baseline, cu_seqlens, block_n, logits, what):
+        assert comparison.passed, comparison.message()
 
 
 @pytest.mark.parametrize(
     "dtype,head_size", [(torch.float32, 72), (torch.float16, 80), (torch.bfloat16, 72), (torch.float32, 16)]
 )
 def test_matches_vllm_and_float64(dtype, head_size):
-    """fp32 and fp16 run the Triton kernel through the interpreter, bf16 the torch path (the interpreter's
-    dots cannot take bf16 operands)."""
+    """Every dtype runs the Triton kernel through the interpreter."""
     qvl_layer, vllm_layer = layers(2, head_size, dtype)
     assert qvl_layer.qvl_fallback_reason is None
     q, k, v = vllm_qkv(sum(LENGTHS), 2, head_size, dtype)
@@ -59,13 +62,10 @@ def test_matches_vllm_and_float64(dtype, head_size):
     truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
     baseline = vllm_layer(q, k, v, cu_seqlens=cu_seqlens)
     before = vllm_routes.route_counts()["attention"]
-    context = force_backend("torch") if dtype == torch.bfloat16 else contextlib.nullcontext()
-    with context:
-        out = qvl_layer(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=torch.tensor(70))
+    out = qvl_layer(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=torch.tensor(70))
     assert vllm_routes.route_counts()["attention"] == before + 1
     assert out.shape == q.shape and out.dtype == dtype
-    ulps = ulps_for(q, k, cu_seqlens, head_size**-0.5)
-    assert_error_within(out, truth, baseline, ulps=ulps, what=f"{dtype} D={head_size}")
+    assert_close(out, truth, baseline, q, k, cu_seqlens, what=f"{dtype} D={head_size}")
 
 
 def test_batched_hidden_layout_without_cu_seqlens():
@@ -78,9 +78,9 @@ def test_batched_hidden_layout_without_cu_seqlens():
     assert vllm_routes.route_counts()["attention"] == before + 1  # on qvl's op, not vLLM's forward
     truth = vllm_layer(q.double(), k.double(), v.double())
     assert out.shape == q.shape
-    four_d = [t.view(3, 24, 2, 64) for t in (q, k, v)]
-    ulps = ulps_for(*four_d[:2], torch.tensor([0, 24]), 64**-0.5)
-    assert_error_within(out, truth, vllm_layer(q, k, v), ulps=ulps, what="batched")
+    baseline = vllm_layer(q, k, v)
+    tokens = [t.view(3 * 24, 2, 64) for t in (q, k)]
+    assert_close(out, truth, baseline, *tokens, cu_seqlens_of([24] * 3), "batched")
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_compiles_whole_without_recompiles():
         with stance, force_backend("torch"):
             out = compiled(q, k, v, cu_seqlens=cu_seqlens)
         truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
-        assert_error_within(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), what=f"compiled {lengths}")
+        assert_close(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), q, k, cu_seqlens, f"compiled {lengths}")
 
 
 def test_vllm_max_seqlen_becomes_the_tile_hint():
@@ -142,5 +142,4 @@ def test_vllm_max_seqlen_becomes_the_tile_hint():
     cu_seqlens = cu_seqlens_of(windows)
     out = qvl_layer(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=torch.tensor(64, dtype=torch.int32))
     truth = vllm_layer(q.double(), k.double(), v.double(), cu_seqlens=cu_seqlens)
-    ulps = ulps_for(q, k, cu_seqlens, 80**-0.5)
-    assert_error_within(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), ulps=ulps, what="windows")
+    assert_close(out, truth, vllm_layer(q, k, v, cu_seqlens=cu_seqlens), q, k, cu_seqlens, "windows", 64)

@@ -1,0 +1,290 @@
+"""What a right result of qvl's attention is, shared by the test suite and ``qvl check``: float64 truths written
+from torch's own functions (not from qvl's references, so a misreading shared by a kernel and its reference cannot
+pass), torch's own result in the same dtype as the baseline, the bound of :mod:`.tolerance` per segment, and the
+layouts that computed wrong results on a GPU before, as named cases.
+
+Per segment: each segment is its own attention problem with its own output scale (a one-token segment's output is
+its value row, several times the scale of a long segment's average), so each is held to the rule on its own, and an
+error confined to one segment (a dropped key block, a zeroed segment) is measured against that segment's rounding.
+
+The kernel's online softmax keeps its running max, sum and accumulator in fp32 and rescales the accumulator once
+per key block; those roundings are counted at fp32's resolution (:func:`online_softmax_wide_ulps`), the output
+dtype's final rounding as :data:`~.tolerance.DEFAULT_ULPS` of the output dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from triton.backends.compiler import GPUTarget
+
+from .attention.config import backward_launch_config, launch_config
+from .tolerance import DEFAULT_ULPS, Comparison, compare, default_eps, resolution, scale_of
+
+__all__ = [
+    "ATTENTION_CASES",
+    "INTERPRETER_ATTENTION_CASES",
+    "AttentionCase",
+    "attention_baseline",
+    "attention_comparisons",
+    "attention_gradient_comparisons",
+    "attention_truth",
+    "cu_seqlens_of",
+    "float64_rotary",
+    "key_block",
+    "max_abs_logits",
+    "online_softmax_wide_ulps",
+    "rotary_in_fp32",
+    "segment_bounds",
+    "uncancelled_gradient_scales",
+]
+
+
+class AttentionCase(NamedTuple):
+    """A layout of segments (token counts, in order) and the ``max_seqlen`` hint the call passes (None: none), with
+    why it is a case."""
+
+    name: str
+    lengths: tuple[int, ...]
+    max_seqlen: int | None
+    why: str
+
+
+# The layouts that computed wrong results (or faulted) on an H200 with an earlier head-dim tiling (2026-12-04:
+# bench/results/diag-20261204/), and the plain layouts beside them. At GPU sizes: 16 heads.
+ATTENTION_CASES = (
+    AttentionCase("ragged", (1, 257, 1024, 33), None, "segments ending inside key blocks (error 1.8 at D 80 before)"),
+    AttentionCase("lone 33", (33,), None, "one segment shorter than a key block alone (NaN at D 72 before)"),
+    AttentionCase("300", (300,), None, "one segment ending inside a key block (error 0.35 at D 72 before)"),
+    AttentionCase("inside blocks", (65, 129, 0, 200, 1, 130), None, "every segment ends inside a query tile"),
+    AttentionCase("windows", (64, 48, 0, 16, 1, 37), 64, "window tiles, edge windows shorter than a key block"),
+    AttentionCase("aligned", (1024, 256), None, "block multiples: no ragged block"),
+)
+# The same cases at the interpreter's sizes (2 heads): Triton's interpreter takes seconds per thousand tokens.
+INTERPRETER_ATTENTION_CASES = (
+    AttentionCase("ragged", (1, 65, 33, 0, 17), None, ATTENTION_CASES[0].why),
+    AttentionCase("lone 33", (33,), None, ATTENTION_CASES[1].why),
+    AttentionCase("300", (300,), None, ATTENTION_CASES[2].why),
+    AttentionCase("windows", (64, 48, 0, 16, 1, 37), 64, ATTENTION_CASES[4].why),
+    AttentionCase("aligned", (64, 128), None, ATTENTION_CASES[5].why),
+)
+
+
+def cu_seqlens_of(lengths: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 ``cu_seqlens`` ``[0, l0, l0 + l1, ...]`` of segment ``lengths``."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def segment_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """The non-empty segments' ``(start, end)`` token bounds (a host copy of ``cu_seqlens``)."""
+    bounds = cu_seqlens.tolist()
+    return [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+
+
+def _rotary_angles(positions: torch.Tensor, half: int, rope_theta: float, dtype: torch.dtype) -> torch.Tensor:
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, half, 2, dtype=dtype, device=positions.device) / half)
+    angles = (positions.to(dtype)[..., None] * inv_freq).flatten(1)  # (T, half): row angles, then column angles
+    return torch.cat([angles, angles], dim=-1)[:, None, :]
+
+
+def _rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * angles.cos() + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * angles.sin()
+
+
+def float64_rotary(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL's 2D rotary of q and k entirely in float64: the ground truth of the rotary and attention checks.
+
+    Written from transformers' Qwen3-VL vision code (``Qwen3VLVisionRotaryEmbedding`` over head_dim / 2 with inverse
+    frequencies ``theta ** (-2i / (head_dim / 2))``, each token's row angles then its column angles, the whole
+    repeated twice, and ``apply_rotary_pos_emb_vision``'s rotate-half), not from qvl's kernels or reference (the
+    suite checks it against transformers' own module). Inverse frequencies in float64 too: transformers and the
+    kernels compute them in fp32, a rounding of each implementation the truth must not share with one of them."""
+    angles = _rotary_angles(positions, q.shape[-1] // 2, rope_theta, torch.float64)
+    return _rotate(q.double(), angles), _rotate(k.double(), angles)
+
+
+def rotary_in_fp32(q, k, positions, rope_theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rotary as transformers computes it whatever the model's dtype (frequencies, angles and the rotation
+    in fp32), rounded to q's dtype: the baseline's rotary."""
+    angles = _rotary_angles(positions, q.shape[-1] // 2, rope_theta, torch.float32)
+    return _rotate(q.float(), angles).to(q.dtype), _rotate(k.float(), angles).to(k.dtype)
+
+
+# Query rows per float64 attention call: bounds the truth's logits to 4,096 x segment length per head.
+_TRUTH_ROWS = 4096
+
+
+def _sdpa_segments(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` over each segment of ``(T, H, D)`` q, k, v, in their dtype."""
+    out = torch.zeros_like(q)
+    for start, end in segment_bounds(cu_seqlens):
+        keys, values = (x[start:end].transpose(0, 1) for x in (k, v))
+        for first in range(start, end, _TRUTH_ROWS):
+            last = min(first + _TRUTH_ROWS, end)
+            rows = F.scaled_dot_product_attention(q[first:last].transpose(0, 1), keys, values, scale=scale)
+            out[first:last] = rows.transpose(0, 1)
+    return out
+
+
+def _scale(head_dim: int, softmax_scale: float | None) -> float:
+    return head_dim**-0.5 if softmax_scale is None else softmax_scale
+
+
+def attention_truth(q, k, v, cu_seqlens, softmax_scale=None, positions=None, rope_theta: float = 10000.0):
+    """The rotary (given ``positions``) and varlen attention of ``(T, H, D)`` q, k, v entirely in float64, from
+    torch's own attention per segment (empty segments, and so rows of none, are zeros)."""
+    if positions is not None:
+        q, k = float64_rotary(q, k, positions, rope_theta)
+    return _sdpa_segments(q.double(), k.double(), v.double(), cu_seqlens, _scale(q.shape[-1], softmax_scale))
+
+
+def attention_baseline(q, k, v, cu_seqlens, softmax_scale=None, positions=None, rope_theta: float = 10000.0):
+    """What torch itself computes in q's dtype: the rotary as transformers computes it (:func:`rotary_in_fp32`),
+    then torch's ``scaled_dot_product_attention`` per segment in the dtype (its fused kernels, as a user calls
+    them)."""
+    if positions is not None:
+        q, k = rotary_in_fp32(q, k, positions, rope_theta)
+    return _sdpa_segments(q, k, v, cu_seqlens, _scale(q.shape[-1], softmax_scale))
+
+
+def max_abs_logits(q, k, cu_seqlens, softmax_scale=None, positions=None, rope_theta: float = 10000.0) -> list[float]:
+    """Each non-empty segment's largest ``|q.k| * scale`` (after the rotary), in float64."""
+    scale = _scale(q.shape[-1], softmax_scale)
+    if positions is not None:
+        q, k = float64_rotary(q, k, positions, rope_theta)
+    found = []
+    for start, end in segment_bounds(cu_seqlens):
+        keys = k[start:end].double().transpose(0, 1)
+        largest = 0.0
+        for first in range(start, end, _TRUTH_ROWS):
+            rows = q[first : min(first + _TRUTH_ROWS, end)].double().transpose(0, 1)
+            largest = max(largest, float((rows @ keys.transpose(1, 2)).abs().max()) * scale)
+        found.append(largest)
+    return found
+
+
+def online_softmax_wide_ulps(length: int, block_n: int, max_abs_logit: float) -> int:
+    """The fp32 roundings an online softmax over key blocks of ``block_n`` makes in sequence on a segment of
+    ``length`` tokens, for scaled logits of at most ``max_abs_logit``, in fp32 ulps at the output's scale:
+
+    * it rescales its output accumulator once per key block after the first, ``acc * exp2(m_old - m_new)``: one
+      rounding at the output's scale per block;
+    * it folds log2(e) into the scale, ``exp2(q.k * scale * log2(e) - m)``: one more rounding of the exponent's
+      argument, at the argument's own scale, up to ``max_abs_logit * log2(e)``; an error of ``d`` in the argument
+      is a relative error of ``d`` in every probability, so in the output;
+    * two for the final division by the row sum and its own accumulation.
+    """
+    return -(-length // block_n) + math.ceil(max_abs_logit * math.log2(math.e)) + 2
+
+
+def key_block(
+    head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None, backward: bool = False
+) -> int:
+    """The shortest block of keys (or, in the backward's dK/dV kernel, of queries) a kernel's accumulation steps
+    through for a launch of ``head_dim`` in ``dtype`` on ``target`` with the ``max_seqlen`` hint: the forward's
+    ``BLOCK_N``; with ``backward``, also the backward kernels' (whose probabilities come from the forward's
+    log-sum-exp, so inherit its roundings too)."""
+    blocks = [launch_config(head_dim, dtype, target, max_seqlen)["BLOCK_N"]]
+    if backward:
+        configs = backward_launch_config(head_dim, dtype, max_seqlen)
+        blocks += [configs["dq"]["BLOCK_N"], configs["dkdv"]["BLOCK_M"]]
+    return min(blocks)
+
+
+def attention_comparisons(
+    out: torch.Tensor,
+    truth: torch.Tensor,
+    baseline: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_n: int,
+    logits: Sequence[float],
+    what: str = "attention",
+    terms: torch.Tensor | None = None,
+    term_ulps: int = 0,
+) -> list[Comparison]:
+    """The rule (:func:`~.tolerance.compare`) applied to each non-empty segment of ``out`` (or of any ``(T, H, D)``
+    attention result: the gradients too) on its own: its own scale, torch's own error on it, and ``eps`` of
+    :data:`~.tolerance.DEFAULT_ULPS` of the dtype plus :func:`online_softmax_wide_ulps` fp32 ulps for its length,
+    ``block_n`` (the kernel's key block) and its largest scaled logit (``logits``, from :func:`max_abs_logits`).
+    The fp32 ulps, and ``term_ulps`` more, count at the larger of the segment's scale and that of ``terms``, the
+    magnitude of the result's terms before they cancel (:func:`uncancelled_gradient_scales`; None: the result's
+    own)."""
+    comparisons = []
+    for (start, end), logit in zip(segment_bounds(cu_seqlens), logits, strict=True):
+        part = slice(start, end)
+        wide = online_softmax_wide_ulps(end - start, block_n, logit) + term_ulps
+        eps = default_eps(out.dtype, truth[part], DEFAULT_ULPS)
+        wide_scale = max(scale_of(truth[part]), 0.0 if terms is None else scale_of(terms[part]))
+        eps += wide * resolution(torch.float32) * wide_scale
+        comparisons.append(compare(out[part], truth[part], baseline[part], eps=eps, what=f"{what} [{start}:{end})"))
+    return comparisons
+
+
+def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None, rope_theta=10000.0):
+    """The scale of each of dq, dk, dv before its terms cancel, in float64: what each gradient would be if every
+    term of its sums added with one sign, ``|dS| <= P * (|dP| + |delta|)`` in place of ``dS = P * (dP - delta)``
+    (``dP = dO v^T``, ``delta = rowsum(dO * out)``) and absolute values of the operands; with positions, of the
+    rotated q and k (the gradients before the rotation back).
+
+    ``dP - delta`` cancels exactly for a one-token segment: its dq and dk are 0 in float64 and in torch's one-pass
+    softmax backward, so the rule's bound is 0 there. A kernel that computes ``delta`` from the stored output, as
+    flash attention's backward does, sums the same products as ``dP`` in another order, in its fp32 accumulators,
+    and leaves a few fp32 roundings at these scales instead."""
+    scale = _scale(q.shape[-1], softmax_scale)
+    if positions is not None:
+        q, k = float64_rotary(q, k, positions, rope_theta)
+    q, k, v, grad_out = (x.double() for x in (q, k, v, grad_out))
+    scales = [torch.zeros_like(q) for _ in range(3)]
+    for start, end in segment_bounds(cu_seqlens):
+        qs, ks, vs, dos = (x[start:end].transpose(0, 1) for x in (q, k, v, grad_out))
+        probs = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
+        d_probs = dos @ vs.transpose(1, 2)
+        delta = (dos * (probs @ vs)).sum(-1, keepdim=True)
+        d_logits = probs * (d_probs.abs() + delta.abs()) * scale
+        segment = (d_logits @ ks.abs(), d_logits.transpose(1, 2) @ qs.abs(), probs.transpose(1, 2) @ dos.abs())
+        for whole, part in zip(scales, segment):
+            whole[start:end] = part.transpose(0, 1)
+    return scales
+
+
+def attention_gradient_comparisons(
+    grads: Sequence[torch.Tensor],
+    q,
+    k,
+    v,
+    cu_seqlens,
+    grad_out,
+    block_n: int,
+    softmax_scale=None,
+    positions=None,
+    rope_theta: float = 10000.0,
+) -> list[Comparison]:
+    """:func:`attention_comparisons` of the gradients ``grads = (dq, dk, dv)`` of q, k, v (each per segment), for
+    the output gradient ``grad_out``, against float64 autograd through :func:`attention_truth` and torch's own
+    autograd through :func:`attention_baseline` in the dtype. ``block_n``: the shortest key or query block the
+    backward's kernels step through (each rounding of an accumulation step counts). ``dS = P * (dP - delta)`` cancels
+    two sums over the head dim (``dP = dO . v`` and ``delta = dO . out``), each rounded up to ``log2(head_dim)``
+    times in a pairwise or tensor-core sum: those fp32 roundings count too, at the terms' scale."""
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    truth = attention_truth(*wide, cu_seqlens, softmax_scale, positions, rope_theta)
+    truths = torch.autograd.grad(truth, wide, grad_out.double())
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    base = attention_baseline(*leaves, cu_seqlens, softmax_scale, positions, rope_theta)
+    baselines = torch.autograd.grad(base, leaves, grad_out)
+    logits = max_abs_logits(q, k, cu_seqlens, softmax_scale, positions, rope_theta)
+    uncancelled = uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale, positions, rope_theta)
+    head_dim_sums = 2 * math.ceil(math.log2(q.shape[-1]))
+    comparisons = []
+    for name, got, expected, baseline, terms in zip(
+        ("dq", "dk", "dv"), grads, truths, baselines, uncancelled, strict=True
+    ):
+        comparisons += attention_comparisons(
+            got, expected, baseline, cu_seqlens, block_n, logits, name, terms, head_dim_sums
+        )
+    return comparisons
