@@ -94,6 +94,7 @@ class TowerConfig(Protocol):
     merged_width: int
     spatial_merge_size: int
     patch_dim: int
+    folded_patch_dim: int
     linear_flops_per_token: int
     flops_per_token_pair: int
     head_dim: int
@@ -146,6 +147,12 @@ class TowerShape:
     def patch_dim(self) -> int:
         """Values per patch in ``pixel_values``: ``in_channels * temporal_patch_size * patch_size**2``."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def folded_patch_dim(self) -> int:
+        """Values per patch in folded image rows (one temporal slot: an image's slots hold the same frame):
+        ``in_channels * patch_size**2``."""
+        return self.in_channels * self.patch_size**2
 
 
 @dataclasses.dataclass(frozen=True)

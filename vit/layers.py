@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from qvl.kernels import ops_for
 from qvl.kernels.common import check_tensor
@@ -36,6 +37,7 @@ __all__ = [
     "Product",
     "column_parallel_input",
     "embed_patches",
+    "folded_patch_weight",
     "layer_or_rms_norm",
     "linear_parts",
     "merge_blocks",
@@ -45,6 +47,7 @@ __all__ = [
     "row_parallel_linear",
     "stacked_swiglu_mlp",
     "swiglu_mlp",
+    "unfold_image_rows",
     "vision_mlp",
 ]
 
@@ -82,15 +85,55 @@ def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     ``pixel_values`` ``(T, C * t * p * p)``: one matmul (the conv of one patch is a dot product), or a call of
     ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype.
 
+    Folded image rows ``(T, C * p * p)`` (an image's ``t`` temporal slots hold the same frame, so each row holds it
+    once) take the weight with its temporal slices summed (:func:`folded_patch_weight`): half the matmul for
+    ``t = 2``, and the same embedding up to the rounding of that sum. A called ``proj`` gets them written back into
+    every slot.
+
     A called ``proj`` is shaped from its own attributes (``in_channels``, ``kernel_size``, ``out_channels``), not from
     its weight, which a training stack may hold as a placeholder outside the call (DeepSpeed ZeRO-3 gathers it
     for the call and releases it after)."""
     weight = proj.weight
     pixel_values = pixel_values.to(weight.dtype)
+    slots, height, width = proj.kernel_size
+    folded = slots > 1 and pixel_values.shape[-1] == proj.in_channels * height * width
     if runs_itself(proj):
+        if folded:
+            pixel_values = unfold_image_rows(pixel_values, proj.in_channels, slots)
         patches = pixel_values.view(-1, proj.in_channels, *proj.kernel_size)
         return proj(patches).view(-1, proj.out_channels)
+    if folded:
+        return F.linear(pixel_values, folded_patch_weight(proj), proj.bias)
     return F.linear(pixel_values, weight.view(weight.shape[0], -1), proj.bias)
+
+
+def unfold_image_rows(rows: torch.Tensor, channels: int, slots: int) -> torch.Tensor:
+    """Folded image rows ``(T, C * p * p)`` written into each of ``slots`` temporal slots: ``(T, C * slots * p * p)``,
+    the rows transformers' processors make for an image."""
+    return rows.view(rows.shape[0], channels, 1, -1).expand(-1, -1, slots, -1).reshape(rows.shape[0], -1)
+
+
+def folded_patch_weight(proj: nn.Module) -> torch.Tensor:
+    """The weight of ``proj`` (``nn.Conv3d``, ``(hidden, C, t, p, p)``) with its temporal slices summed, in its dtype:
+    ``(hidden, C * p * p)``, the patch embedding of folded image rows (:func:`embed_patches`).
+
+    Summed once and kept while ``proj`` keeps the same weight tensor, unwritten (its storage, version counter, dtype
+    and device), in a table that holds the weight weakly (nothing is added to the module, which stays picklable; a
+    replaced weight's entry goes with it); where autograd records the embedding, or under torch.compile, it is summed
+    in the graph instead (a gradient must reach the weight; a compiled forward keeps no Python state), and for an
+    inference-mode weight at every call (it has no version counter to say it was written)."""
+    weight = proj.weight
+    if torch.compiler.is_compiling() or needs_grad(weight) or weight.is_inference():
+        return weight.sum(2).flatten(1)
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    cached = _FOLDED_WEIGHTS.get(weight)
+    if cached is None or cached[0] != key:
+        cached = _FOLDED_WEIGHTS[weight] = (key, weight.detach().sum(2).flatten(1))
+    return cached[1]
+
+
+# Patch-embedding weight -> (its state when summed, its temporal slices summed): folded_patch_weight's cache.
+_FOLDED_WEIGHTS = WeakIdKeyDictionary()
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | Product) -> torch.Tensor:

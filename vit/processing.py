@@ -240,9 +240,9 @@ class Processing:
         image written once per temporal slot. ``fold``: written once, rows of ``C * patch_size**2`` values, for a
         patch embedding whose temporal slices are summed (the tower's folded image path)."""
         frames = resize_frames(pixels.permute(2, 0, 1)[None], self.image_size(*pixels.shape[:2]))
-        slots = 1 if fold else self.temporal_patch_size
+        repeats = 1 if fold else self.temporal_patch_size
         mean, std = _scaled_mean_std(self.image_mean, self.image_std, frames.device)
-        return patch_rows(frames.expand(slots, -1, -1, -1), mean, std, self.patch_size, self.merge_size, slots)
+        return patch_rows(frames, mean, std, self.patch_size, self.merge_size, 1, repeats)
 
     def video_pixel_values(
         self, frames: torch.Tensor, size: tuple[int, int] | None = None
@@ -289,22 +289,31 @@ def resize_frames(frames: torch.Tensor, size: tuple[int, int], uint8_kernel: boo
 
 
 def patch_rows(
-    frames: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, patch_size: int, merge_size: int, slots: int
+    frames: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    patch_size: int,
+    merge_size: int,
+    slots: int,
+    repeats: int = 1,
 ) -> tuple[torch.Tensor, list[int]]:
     """``frames`` ``(N, C, H, W)`` uint8 (any strides; ``N`` a multiple of ``slots``, ``H`` and ``W`` of
     ``patch_size * merge_size``) as pixel values ``(x - mean) / std`` in float32 (``mean``, ``std``: ``(C,)`` on the
-    frames' device, the 1/255 rescale folded in), each run of ``slots`` frames one temporal patch, in rows
-    ``[t][merge-block order]`` of ``C * slots * patch_size**2`` values (channel, then slot, then the patch's pixels,
-    as transformers' processors lay them out). Returns ``(rows, [t, h, w])``."""
+    frames' device, the 1/255 rescale folded in), each run of ``slots`` frames one temporal patch and each frame
+    written ``repeats`` times in it (an image: one frame, repeated ``temporal_patch_size`` times), in rows
+    ``[t][merge-block order]`` of ``C * slots * repeats * patch_size**2`` values (channel, then slot, then the
+    patch's pixels, as transformers' processors lay them out). Returns ``(rows, [t, h, w])``."""
     count, channels, height, width = frames.shape
     grid_t, grid_h, grid_w = count // slots, height // patch_size, width // patch_size
     blocks = (grid_t, slots, channels, grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size)
-    source = frames.view(*blocks, patch_size).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    rows = torch.empty(source.shape, dtype=torch.float32, device=frames.device)
-    rows.copy_(source)
+    # Laid out in uint8 (a byte a value), then converted and normalized in place in that layout; repeats are copies of
+    # the normalized values, which are the same for every copy.
+    values = frames.view(*blocks, patch_size).permute(0, 3, 6, 4, 7, 2, 1, 5, 8).contiguous().to(torch.float32)
     view = (channels, 1, 1, 1)
-    rows.sub_(mean.view(view)).div_(std.view(view))
-    return rows.view(grid_t * grid_h * grid_w, -1), [grid_t, grid_h, grid_w]
+    values.sub_(mean.view(view)).div_(std.view(view))
+    if repeats > 1:
+        values = values.unsqueeze(7).expand(*values.shape[:7], repeats, patch_size, patch_size)
+    return values.reshape(grid_t * grid_h * grid_w, -1), [grid_t, grid_h, grid_w]
 
 
 def _pixel_bounds(values: dict, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -59,6 +59,7 @@ from .layers import (
     row_parallel_linear,
     stacked_swiglu_mlp,
     swiglu_mlp,
+    unfold_image_rows,
     vision_mlp,
 )
 from .metadata import DeviceInputs, VisionMetadata, build_metadata, build_window_metadata
@@ -610,11 +611,29 @@ class TowerRunner:
         last = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
         return TowerOutputs(last, empty, [empty.clone() for _ in self.spec.deepstack_visual_indexes])
 
-    def check_pixels(self, pixel_values: torch.Tensor, num_tokens: int) -> None:
-        """Raise ValueError unless ``pixel_values`` is ``(num_tokens, patch_dim)``."""
-        expected = (num_tokens, self.config.patch_dim)
+    def check_pixels(self, pixel_values: torch.Tensor, grid: np.ndarray) -> None:
+        """Raise ValueError unless ``pixel_values`` is ``(tokens, patch_dim)`` for the batch of ``grid`` (``(N, 3)``),
+        or folded image rows ``(tokens, folded_patch_dim)`` (:func:`~qvl.vit.layers.embed_patches`) of a batch of
+        images only (every ``t`` 1)."""
+        tokens = int(np.prod(grid, axis=1).sum()) if len(grid) else 0
+        config = self.config
+        if tuple(pixel_values.shape) == (tokens, config.folded_patch_dim) and config.temporal_patch_size > 1:
+            if (np.asarray(grid)[:, 0] != 1).any():
+                raise ValueError(
+                    f"{self.name}: pixel_values of {config.folded_patch_dim} values a row are folded image rows, but"
+                    " the batch holds a video (a grid with t > 1): fold images only"
+                )
+            return
+        expected = (tokens, config.patch_dim)
         if tuple(pixel_values.shape) != expected:
             raise ValueError(f"{self.name}: pixel_values must have shape {expected}, got {tuple(pixel_values.shape)}")
+
+    def unfolded(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``pixel_values`` with folded image rows written back into every temporal slot (others as they are)."""
+        config = self.config
+        if pixel_values.shape[-1] == config.patch_dim:
+            return pixel_values
+        return unfold_image_rows(pixel_values, config.in_channels, config.temporal_patch_size)
 
     def encode(
         self,
@@ -626,7 +645,7 @@ class TowerRunner:
         """The device part of a batch whose metadata is built (``hidden_states_out``: see :func:`device_forward`),
         never replayed. After :meth:`compile`, calls without ``hidden_states_out`` take the compiled code; calls
         with it run eagerly."""
-        self.check_pixels(pixel_values, meta.num_tokens)
+        self.check_pixels(pixel_values, meta.grid_thw.numpy())
         if meta.num_tokens == 0:
             return self.empty_outputs()
         pixels, inputs = pixel_values.to(self.device, non_blocking=True), DeviceInputs.of(meta)
@@ -657,8 +676,9 @@ class TowerRunner:
         own_dtype = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
         with own_dtype or contextlib.nullcontext():
             if self.graphs is not None:
-                self.check_pixels(pixel_values, int(np.prod(grid, axis=1).sum()))
-                replayed = self.graphs.encode(self, pixel_values, grid)
+                self.check_pixels(pixel_values, grid)
+                # The graphs' buffers hold whole rows: folded ones are unfolded for them.
+                replayed = self.graphs.encode(self, self.unfolded(pixel_values), grid)
                 if replayed is not None:
                     return replayed
             return self.encode(pixel_values, self.metadata(grid) if meta is None else meta)

@@ -204,8 +204,7 @@ def test_the_gpu_recipe_equals_torchvisions_own(name, monkeypatch):
         expected = processor(images=[pixels], return_tensors="pt")["pixel_values"]
         frames = torch.from_numpy(pixels).permute(2, 0, 1)[None]
         resized = resize_frames(frames, processing.image_size(*shape), uint8_kernel=False)
-        rows, _ = patch_rows(resized.expand(slots, -1, -1, -1), mean, std, processing.patch_size,
-                             processing.merge_size, slots)  # fmt: skip
+        rows, _ = patch_rows(resized, mean, std, processing.patch_size, processing.merge_size, 1, slots)
         assert torch.equal(rows, expected), shape
         assert not torch.equal(rows, Preparer(processing, "cpu").image(torch.from_numpy(pixels))[0]), shape
 
