@@ -130,13 +130,17 @@ def resolve_model(name: str, log: Callable[[str], None]) -> Path:
     """The checkpoint directory ``name`` means: an existing directory as it is; otherwise a Hugging Face Hub model id
     (``owner/name``), whose config, processor configs and vision shards are fetched into the Hugging Face cache
     (what is downloaded, and how large, is said through ``log``), and whose cached snapshot is returned. Raises
-    :class:`CheckpointError` naming ``name`` for a path that is not a directory, a name that is neither, or a
-    failed download."""
+    :class:`CheckpointError` naming ``name`` for a path that is not a directory, a name that is neither (a name without
+    an owner is taken for a directory), or a failed download."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
             raise CheckpointError(f"{name}: not a directory")
         return path
+    # The Hub takes bare names too (gpt2), but every Qwen vision checkpoint is owner/name: a bare word that is no
+    # directory is a mistyped path, which would otherwise wait on the Hub's retries.
+    if "/" not in name:
+        raise CheckpointError(f"{name}: no such directory (nor a Hugging Face Hub model id, which is owner/name)")
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 

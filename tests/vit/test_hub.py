@@ -158,6 +158,8 @@ def test_names_that_are_neither_a_directory_nor_a_hub_model(hub, tmp_path, capsy
         (file, f"{file}: not a directory"),
         ("./no-such-dir", "./no-such-dir: no such directory (nor a Hugging Face Hub model id)"),
         ("no such/model", "no such/model: no such directory (nor a Hugging Face Hub model id)"),
+        # A mistyped local directory is said at once, without asking the Hub.
+        ("q3vl_typo", "q3vl_typo: no such directory (nor a Hugging Face Hub model id, which is owner/name)"),
         ("acme/other", "acme/other: the Hub repository has no config.json"),
     ]:
         assert encode(photo(tmp_path), "--model", name, "-o", tmp_path / "out.safetensors") == 2
