@@ -36,7 +36,15 @@ from .common import (
     run_launches,
     runs_torch,
 )
-from .tiles import LOG2E, epilogue_backward_config, last_dim_contiguous, row_tiles, sum_partials_launch, times_sigmoid
+from .tiles import (
+    LOG2E,
+    epilogue_backward_config,
+    last_dim_contiguous,
+    round_to,
+    row_tiles,
+    sum_partials_launch,
+    times_sigmoid,
+)
 
 __all__ = [
     "GELU_APPROXIMATIONS",
@@ -97,7 +105,7 @@ def _bias_gelu_kernel(
         y = times_sigmoid(v, v * _QUICK_GELU_SCALE)
     else:
         y = 0.5 * v * (1.0 + tl.math.erf(v * _SQRT1_2))
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -154,7 +162,7 @@ def _bias_gelu_backward_kernel(
         dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
         # Masked elements have dy = 0, so they add nothing to dbias.
         dv = dy.to(tl.float32) * gelu_derivative(x.to(tl.float32) + bias[None, :], APPROXIMATE)
-        tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dv.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], round_to(dv, DX.dtype.element_ty), mask=mask)
         dbias += tl.sum(dv, axis=0)
     tl.store(Partials + pid.to(tl.int64) * num_cols + cols, dbias, mask=mask_n)
 

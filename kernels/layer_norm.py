@@ -44,7 +44,7 @@ from .common import (
     run_launches,
     runs_torch,
 )
-from .tiles import last_dim_contiguous, row_split, sum_partials_launch
+from .tiles import last_dim_contiguous, round_to, row_split, sum_partials_launch
 
 __all__ = [
     "MAX_NORM_DIM",
@@ -81,7 +81,7 @@ def load_norm_rows(X, Delta, Sum, rows, offs_c, mask, stride_xm, stride_dm, stri
         delta = tl.load(Delta + rows[:, None] * stride_dm + offs_c[None, :], mask=mask, other=0.0)
         # Round the sum to the residual dtype before normalizing, so the norm sees exactly the residual
         # that is stored (eager ``h = x + delta; norm(h)``), not a more precise sum.
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(Sum.dtype.element_ty)
+        x = round_to(x.to(tl.float32) + delta.to(tl.float32), Sum.dtype.element_ty)
         tl.store(Sum + rows[:, None] * stride_sm + offs_c[None, :], x, mask=mask)
     return x.to(tl.float32)
 
@@ -133,9 +133,9 @@ def _norm_kernel(
     else:
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
         # transformers rounds the normalized row to the input dtype, then multiplies by the weight.
-        normed = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+        normed = round_to(x * rstd[:, None], Y.dtype.element_ty).to(tl.float32)
         y = weight[None, :] * normed
-    tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_ym + offs_c[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
@@ -194,12 +194,12 @@ def _norm_backward_kernel(
         if HAS_DELTA:
             # add_*_norm's backward: h = x + delta also reaches the loss directly, through grad_h.
             dx += tl.load(DH + rows[:, None] * stride_dhm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows[:, None] * stride_dxm + offs_c[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
         if CENTERED:
             dweight += tl.sum(dy * x_hat, axis=0)
             dbias += tl.sum(dy, axis=0)
         else:
-            dweight += tl.sum(dy * x_hat.to(DX.dtype.element_ty).to(tl.float32), axis=0)
+            dweight += tl.sum(dy * round_to(x_hat, DX.dtype.element_ty).to(tl.float32), axis=0)
     partial = Partials + pid.to(tl.int64) * num_cols + offs_c
     tl.store(partial, dweight, mask=mask_c)
     if CENTERED:

@@ -43,7 +43,7 @@ from .common import (
     runs_torch,
     value_checks_enabled,
 )
-from .tiles import last_dim_contiguous
+from .tiles import last_dim_contiguous, round_to
 
 __all__ = [
     "launch_config",
@@ -103,11 +103,11 @@ def _pos_embed_interp_kernel(
     out_ptrs = Out + tokens[:, None] * stride_ot + offs_c[None, :]
     if ADD:
         # round(x + round(pos)): the model rounds pos to the hidden dtype before adding.
-        pos = acc.to(Out.dtype.element_ty).to(tl.float32)
+        pos = round_to(acc, Out.dtype.element_ty).to(tl.float32)
         hidden = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (hidden + pos).to(Out.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, round_to(hidden + pos, Out.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, round_to(acc, Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def _pos_embed_interp_backward_kernel(
         weight = tl.load(Weights + token * stride_wt + (pair % NUM_TAPS) * stride_wk)
         grad = tl.load(GradOut + token * stride_gt + offs_c, mask=mask_c, other=0.0)
         acc += grad.to(tl.float32) * weight
-    tl.store(GradTable + row * stride_dv + offs_c, acc.to(GradTable.dtype.element_ty), mask=mask_c)
+    tl.store(GradTable + row * stride_dv + offs_c, round_to(acc, GradTable.dtype.element_ty), mask=mask_c)
 
 
 def _interp_fp32(pos_embed: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from .tiles import (
     aligned_view,
     epilogue_backward_config,
     last_dim_contiguous,
+    round_to,
     row_tiles,
     row_vector,
     sum_partials_launch,
@@ -103,7 +104,7 @@ def _bias_swiglu_kernel(
     g = gate.to(tl.float32) + gate_bias.to(tl.float32)[None, :]
     u = up.to(tl.float32) + up_bias.to(tl.float32)[None, :]
     y = times_sigmoid(g, g) * u
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows", "blocks_per_program"])
@@ -162,8 +163,10 @@ def _bias_swiglu_backward_kernel(
         s = times_sigmoid(1.0, g)
         d_up = dy * g * s
         d_gate = dy * u * (s + g * s * times_sigmoid(1.0, -g))
-        tl.store(DGate + rows[:, None] * stride_dgm + cols[None, :], d_gate.to(DGate.dtype.element_ty), mask=mask)
-        tl.store(DUp + rows[:, None] * stride_dum + cols[None, :], d_up.to(DUp.dtype.element_ty), mask=mask)
+        tl.store(
+            DGate + rows[:, None] * stride_dgm + cols[None, :], round_to(d_gate, DGate.dtype.element_ty), mask=mask
+        )
+        tl.store(DUp + rows[:, None] * stride_dum + cols[None, :], round_to(d_up, DUp.dtype.element_ty), mask=mask)
         # Masked elements have dy = 0, so they add nothing to the bias gradients.
         d_gate_bias += tl.sum(d_gate, axis=0)
         d_up_bias += tl.sum(d_up, axis=0)

@@ -180,9 +180,9 @@ def _sum_partials_kernel(
         acc += tl.load(base + offs_p.to(tl.int64)[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
     if tl.program_id(1) == 0:
-        tl.store(Out0 + cols, total.to(Out0.dtype.element_ty), mask=mask_c)
+        tl.store(Out0 + cols, round_to(total, Out0.dtype.element_ty), mask=mask_c)
     else:
-        tl.store(Out1 + cols, total.to(Out1.dtype.element_ty), mask=mask_c)
+        tl.store(Out1 + cols, round_to(total, Out1.dtype.element_ty), mask=mask_c)
 
 
 def sum_partials_launch(partials: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> KernelLaunch:

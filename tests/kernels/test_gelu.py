@@ -24,7 +24,6 @@ from qvl.kernels.gelu import (
     GELU_APPROXIMATIONS,
     bias_gelu_backward_launches,
     bias_gelu_launches,
-    bias_gelu_reference,
 )
 from qvl.kernels.tiles import epilogue_backward_config
 from tolerance import assert_error_within, assert_grads_within
@@ -46,6 +45,13 @@ def gelu_inputs(rows, cols, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x, bias
 
 
+def eager_gelu(x, bias, approximate):
+    """``gelu(x + bias)`` as torch and transformers compute it, in x's dtype: ``F.gelu``, or transformers'
+    ``QuickGELUActivation`` for "quick". In float64 it is the suite's truth."""
+    v = x + bias
+    return QuickGELUActivation()(v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_gelu(dtype, approximate, backend, device):
@@ -53,13 +59,13 @@ def test_bias_gelu(dtype, approximate, backend, device):
     x, bias = gelu_inputs(96, 300, dtype, device)
     y = torch.ops.qvl.bias_gelu(x, bias, approximate)
     assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
-    truth = bias_gelu_reference(x.double(), bias.double(), approximate)
+    truth = eager_gelu(x.double(), bias.double(), approximate)
     # From |x + bias| = 40 on, erf and tanh are +-1 in fp32 (and in float64 the tail is below the smallest
     # subnormal), so gelu is exactly x + bias or 0. Held apart, these inputs (up to 1e4) also leave the
     # rule's eps at the scale of the other outputs.
     saturated = (x.float() + bias.float()).abs() >= 40
     assert torch.equal(y[saturated], truth[saturated].to(dtype))
-    eager = F.gelu(x + bias, approximate=approximate)
+    eager = eager_gelu(x, bias, approximate)
     assert_error_within(y[~saturated], truth[~saturated], eager[~saturated], what="bias_gelu")
 
 
@@ -71,12 +77,12 @@ def test_bias_quick_gelu(dtype, backend, device):
     x, bias = gelu_inputs(96, 300, dtype, device)
     y = torch.ops.qvl.bias_gelu(x, bias, "quick")
     assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
-    truth = bias_gelu_reference(x.double(), bias.double(), "quick")
+    truth = eager_gelu(x.double(), bias.double(), "quick")
     # From v = 40 on, sigmoid(1.702 v) is 1 in fp32: the output is v itself. Held apart, these inputs (up to
     # 1e4) leave the rule's eps at the scale of the other outputs; the negative tail is ~0 and stays in.
     saturated = (x.float() + bias.float()) >= 40
     assert torch.equal(y[saturated], (x + bias)[saturated])
-    eager = QuickGELUActivation()(x + bias)
+    eager = eager_gelu(x, bias, "quick")
     assert_error_within(y[~saturated], truth[~saturated], eager[~saturated], what="bias_gelu quick")
 
 
@@ -141,9 +147,9 @@ def test_torch_path_tanh_gelu_compiled(dtype):
         return torch_path.bias_gelu(x, bias, "tanh"), h
 
     torch._dynamo.reset()
-    truth = bias_gelu_reference(x.double(), bias.double(), "tanh")
+    truth = eager_gelu(x.double(), bias.double(), "tanh")
     saturated = (x.float() + bias.float()).abs() >= 40
-    eager = F.gelu(x + bias, approximate="tanh")
+    eager = eager_gelu(x, bias, "tanh")
     for y in torch.compile(both, fullgraph=True)(x):
         assert y.dtype == dtype and y.is_contiguous()
         assert torch.equal(y[saturated], truth[saturated].to(dtype))
@@ -228,13 +234,8 @@ def test_bad_inputs(case, argument_check_inputs):
         call(**argument_check_inputs)
 
 
-# Backward: gradients of x and bias against float64 autograd of the torch reference, held to the suite's rule
-# with torch's own autograd in the same dtype as the baseline.
-
-
-def eager_gelu(x, bias, approximate):
-    v = x + bias
-    return QuickGELUActivation()(v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+# Backward: gradients of x and bias against float64 autograd of torch's (transformers') GELU, held to the suite's
+# rule with torch's own autograd in the same dtype as the baseline.
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])

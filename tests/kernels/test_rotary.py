@@ -14,7 +14,7 @@ from transformers.vision_utils import get_vision_position_ids
 
 from conftest import float64_rotary
 from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
-from qvl.kernels import force_backend, rotary_2d_reference
+from qvl.kernels import force_backend
 from qvl.kernels.common import device_target, run_launches
 from qvl.kernels.rotary import rotary_launches
 from tolerance import assert_error_within
@@ -22,12 +22,14 @@ from tolerance import assert_error_within
 GRIDS = [[1, 2, 2], [1, 6, 10], [1, 50, 34], [2, 8, 8], [4, 16, 12]]
 
 
-def transformers_rotary(q, k, positions, head_dim, rope_theta=10000.0):
+def transformers_rotary(q, k, positions, head_dim, rope_theta=10000.0, inverse=False):
+    """q and k rotated by transformers' Qwen3-VL vision rotary, or with ``inverse`` by the opposite angles (sin
+    negated: the rotation's inverse, which its backward applies)."""
     config = Qwen3VLVisionConfig(
         hidden_size=head_dim * q.shape[1], num_heads=q.shape[1], rope_parameters={"rope_theta": rope_theta}
     )
     cos, sin = Qwen3VLVisionRotaryEmbedding(config)(q, positions.long())
-    return apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return apply_rotary_pos_emb_vision(q, k, cos, -sin if inverse else sin)
 
 
 def angle_ulps(positions, rotations=1):
@@ -138,12 +140,12 @@ def test_compile_fullgraph_without_recompiles():
         positions = grid_positions(grids)
         qkv = torch.randn(positions.shape[0], 3, 2, 72)
         q, k, _ = qkv.unbind(1)
-        expected = sum(rotary_2d_reference(q, k, positions))
+        in_transformers = sum(transformers_rotary(q, k, positions, 72))
         truth = sum(float64_rotary(q, k, positions))
         assert_error_within(
             compiled(qkv, positions),
             truth,
-            expected,
+            in_transformers,
             what=f"compiled, grids {grids}",
             wide_ulps=angle_ulps(positions, 2),
         )
@@ -180,11 +182,13 @@ def test_backward_op_inverts_the_rotation_on_both_paths():
     positions = grid_positions([[1, 6, 10]])
     q, k = torch.randn(2, positions.shape[0], 3, 72).unbind(0)
     truth = (q.double(), k.double())
-    in_torch = rotary_2d_reference(*rotary_2d_reference(q, k, positions), positions, inverse=True)
+    in_transformers = transformers_rotary(*transformers_rotary(q, k, positions, 72), positions, 72, inverse=True)
     for path in ("interpreter", "torch"):
         with force_backend(path):
             back = torch.ops.qvl.rotary_2d_backward(*torch.ops.qvl.rotary_2d(q, k, positions), positions)
-        assert_error_within(back, truth, in_torch, what=f"rotated and back, {path}", wide_ulps=angle_ulps(positions, 2))
+        assert_error_within(
+            back, truth, in_transformers, what=f"rotated and back, {path}", wide_ulps=angle_ulps(positions, 2)
+        )
 
 
 def test_opcheck_with_autograd():

@@ -19,7 +19,7 @@ from conftest import row_strided
 from guards import LAYOUTS, assert_clean, guarded, guarded_empty, layout_pads
 from qvl.kernels import force_backend
 from qvl.kernels.common import device_target, run_launches
-from qvl.kernels.swiglu import bias_swiglu_backward_launches, bias_swiglu_launches, bias_swiglu_reference
+from qvl.kernels.swiglu import bias_swiglu_backward_launches, bias_swiglu_launches
 from qvl.kernels.tiles import epilogue_backward_config
 from tolerance import assert_error_within, assert_grads_within
 from towers import float64_copy
@@ -47,14 +47,20 @@ def swiglu_inputs(rows, cols, dtype, device, pad=(7, 3)):
     return gate, up, gate_bias, up_bias
 
 
+def eager_swiglu(gate, up, gate_bias, up_bias):
+    """``silu(gate + gate_bias) * (up + up_bias)`` as eager torch computes it in the inputs' dtype; in float64, the
+    truth."""
+    return F.silu(gate + gate_bias) * (up + up_bias)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_swiglu(dtype, backend, device):
     torch.manual_seed(3)
     gate, up, gate_bias, up_bias = swiglu_inputs(96, 300, dtype, device)
     y = torch.ops.qvl.bias_swiglu(gate, up, gate_bias, up_bias)
     assert y.shape == gate.shape and y.dtype == dtype and y.is_contiguous()
-    truth = bias_swiglu_reference(gate.double(), up.double(), gate_bias.double(), up_bias.double())
-    eager = F.silu(gate + gate_bias) * (up + up_bias)
+    truth = eager_swiglu(gate.double(), up.double(), gate_bias.double(), up_bias.double())
+    eager = eager_swiglu(gate, up, gate_bias, up_bias)
     # Outputs of gate = 1e4 and 40 are compared apart, so that their scale does not set the eps of the rest.
     large = (gate.float() + gate_bias.float()) >= 40
     assert_error_within(y[large], truth[large], eager[large], what="bias_swiglu, large gate")
@@ -196,12 +202,8 @@ def test_bad_inputs(case, argument_check_inputs):
         call(**argument_check_inputs)
 
 
-# Backward: gradients of all four inputs against float64 autograd of the torch reference, held to the suite's
-# rule with torch's own autograd of ``silu(gate + b_g) * (up + b_u)`` in the same dtype as the baseline.
-
-
-def eager_swiglu(gate, up, gate_bias, up_bias):
-    return F.silu(gate + gate_bias) * (up + up_bias)
+# Backward: gradients of all four inputs against float64 autograd of eager_swiglu, held to the suite's rule with
+# torch's own autograd of it in the same dtype as the baseline.
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
