@@ -30,10 +30,12 @@ __all__ = [
     "ATTENTION_CASES",
     "INTERPRETER_ATTENTION_CASES",
     "AttentionCase",
+    "AttentionProblem",
     "attention_baseline",
     "attention_comparisons",
-    "attention_gradient_comparisons",
     "attention_truth",
+    "check_attention",
+    "check_attention_gradients",
     "cu_seqlens_of",
     "float64_rotary",
     "key_block",
@@ -253,38 +255,82 @@ def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale=Non
     return scales
 
 
-def attention_gradient_comparisons(
-    grads: Sequence[torch.Tensor],
-    q,
-    k,
-    v,
-    cu_seqlens,
-    grad_out,
-    block_n: int,
-    softmax_scale=None,
-    positions=None,
-    rope_theta: float = 10000.0,
-) -> list[Comparison]:
-    """:func:`attention_comparisons` of the gradients ``grads = (dq, dk, dv)`` of q, k, v (each per segment), for
-    the output gradient ``grad_out``, against float64 autograd through :func:`attention_truth` and torch's own
-    autograd through :func:`attention_baseline` in the dtype. ``block_n``: the shortest key or query block the
-    backward's kernels step through (each rounding of an accumulation step counts). ``dS = P * (dP - delta)`` cancels
-    two sums over the head dim (``dP = dO . v`` and ``delta = dO . out``), each rounded up to ``log2(head_dim)``
-    times in a pairwise or tensor-core sum: those fp32 roundings count too, at the terms' scale."""
-    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    truth = attention_truth(*wide, cu_seqlens, softmax_scale, positions, rope_theta)
-    truths = torch.autograd.grad(truth, wide, grad_out.double())
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    base = attention_baseline(*leaves, cu_seqlens, softmax_scale, positions, rope_theta)
-    baselines = torch.autograd.grad(base, leaves, grad_out)
-    logits = max_abs_logits(q, k, cu_seqlens, softmax_scale, positions, rope_theta)
-    uncancelled = uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale, positions, rope_theta)
-    head_dim_sums = 2 * math.ceil(math.log2(q.shape[-1]))
-    comparisons = []
-    for name, got, expected, baseline, terms in zip(
-        ("dq", "dk", "dv"), grads, truths, baselines, uncancelled, strict=True
+class AttentionProblem:
+    """One attention problem (``(T, H, D)`` q, k, v, ``cu_seqlens``, optionally rotary ``positions`` and the
+    output gradient ``grad_out``) as a launch for ``target`` with the ``max_seqlen`` hint tiles it, and what a right
+    result of it is: the float64 truths, torch's own results in the dtype and the bounds, each computed once (the
+    gradients' on first use), so that many results can be judged against them (qvl check's variants, the tests'
+    deliberately wrong results). The tests and ``qvl check`` judge by :meth:`check` and :meth:`check_gradients`."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        target: GPUTarget,
+        max_seqlen: int | None = None,
+        softmax_scale: float | None = None,
+        positions: torch.Tensor | None = None,
+        rope_theta: float = 10000.0,
+        grad_out: torch.Tensor | None = None,
     ):
-        comparisons += attention_comparisons(
-            got, expected, baseline, cu_seqlens, block_n, logits, name, terms, head_dim_sums
-        )
-    return comparisons
+        self.inputs = (q, k, v, cu_seqlens)
+        self.options = (softmax_scale, positions, rope_theta)
+        self.target, self.max_seqlen, self.grad_out = target, max_seqlen, grad_out
+        self.logits = max_abs_logits(q, k, cu_seqlens, *self.options)
+        self.truth = attention_truth(*self.inputs, *self.options)
+        self.baseline = attention_baseline(*self.inputs, *self.options)
+        self._gradients = None
+
+    def check(self, out: torch.Tensor) -> list[Comparison]:
+        """:func:`attention_comparisons` of ``out``, with the key block of the tiles the launch takes."""
+        q, cu_seqlens = self.inputs[0], self.inputs[3]
+        block_n = key_block(q.shape[-1], q.dtype, self.target, self.max_seqlen)
+        return attention_comparisons(out, self.truth, self.baseline, cu_seqlens, block_n, self.logits)
+
+    def check_gradients(self, grads: Sequence[torch.Tensor]) -> list[Comparison]:
+        """The rule for ``grads = (dq, dk, dv)`` (each per segment): against float64 autograd through
+        :func:`attention_truth`, with torch's own autograd through :func:`attention_baseline` in the dtype as the
+        baseline, and the fp32 roundings of the shortest block the forward's and the backward's kernels step
+        through (the backward rebuilds every probability from the forward's log-sum-exp). ``dS = P * (dP - delta)``
+        cancels two sums over the head dim (``dP = dO . v`` and ``delta = dO . out``), each rounded up to
+        ``log2(head_dim)`` times in a pairwise or tensor-core sum: those fp32 roundings count too, at the scale of
+        the terms before they cancel (:func:`uncancelled_gradient_scales`)."""
+        q, cu_seqlens = self.inputs[0], self.inputs[3]
+        if self.grad_out is None:
+            raise ValueError("AttentionProblem: check_gradients needs the problem's grad_out")
+        if self._gradients is None:
+            self._gradients = self._reference_gradients()
+        block = key_block(q.shape[-1], q.dtype, self.target, self.max_seqlen, backward=True)
+        head_dim_sums = 2 * math.ceil(math.log2(q.shape[-1]))
+        comparisons = []
+        for name, got, (expected, baseline, terms) in zip(("dq", "dk", "dv"), grads, self._gradients, strict=True):
+            comparisons += attention_comparisons(
+                got, expected, baseline, cu_seqlens, block, self.logits, name, terms, head_dim_sums
+            )
+        return comparisons
+
+    def _reference_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(truth, baseline, uncancelled scale) of each of dq, dk, dv."""
+        q, k, v, cu_seqlens = self.inputs
+        wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        truth = attention_truth(*wide, cu_seqlens, *self.options)
+        truths = torch.autograd.grad(truth, wide, self.grad_out.double())
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        baselines = torch.autograd.grad(attention_baseline(*leaves, cu_seqlens, *self.options), leaves, self.grad_out)
+        scales = uncancelled_gradient_scales(q, k, v, cu_seqlens, self.grad_out, *self.options)
+        return list(zip(truths, baselines, scales, strict=True))
+
+
+def check_attention(out, q, k, v, cu_seqlens, target, max_seqlen=None, softmax_scale=None, positions=None):
+    """:meth:`AttentionProblem.check` of one output."""
+    return AttentionProblem(q, k, v, cu_seqlens, target, max_seqlen, softmax_scale, positions).check(out)
+
+
+def check_attention_gradients(
+    grads, q, k, v, cu_seqlens, grad_out, target, max_seqlen=None, softmax_scale=None, positions=None
+):
+    """:meth:`AttentionProblem.check_gradients` of one set of gradients."""
+    problem = AttentionProblem(q, k, v, cu_seqlens, target, max_seqlen, softmax_scale, positions, grad_out=grad_out)
+    return problem.check_gradients(grads)

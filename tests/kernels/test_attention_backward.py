@@ -49,9 +49,8 @@ def assert_gradients_close_to_float64(
     (:func:`qvl.kernels.verify.uncancelled_gradient_scales`)."""
     for grad in grads:
         assert grad.shape == q.shape and grad.dtype == q.dtype and torch.isfinite(grad).all()
-    block = verify.key_block(q.shape[-1], q.dtype, device_target(q.device), max_seqlen, backward=True)
-    comparisons = verify.attention_gradient_comparisons(
-        grads, q, k, v, cu_seqlens, grad_out, block, softmax_scale, positions
+    comparisons = verify.check_attention_gradients(
+        grads, q, k, v, cu_seqlens, grad_out, device_target(q.device), max_seqlen, softmax_scale, positions
     )
     for comparison in comparisons:
         assert comparison.passed, comparison.message()
@@ -278,16 +277,18 @@ def test_bf16_through_the_interpreter(head_dim):
     assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot multiply bf16)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("with_positions", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("head_dim", [64, 72, 80])
-def test_bf16_on_gpu(head_dim, with_positions):
-    lengths = [1, 257, 1024, 0, 33]
+@pytest.mark.parametrize("attention_case", [pytest.param(case, id=case.name) for case in verify.ATTENTION_CASES])
+def test_bf16_on_gpu(attention_case, head_dim, with_positions):
+    """The forward's GPU cases (qvl.kernels.verify.ATTENTION_CASES) through the backward, window tiles included."""
+    lengths, hint = attention_case.lengths, attention_case.max_seqlen
     q, k, v, cu, grad_out, positions = inputs(lengths, 16, head_dim, torch.bfloat16, head_dim, with_positions)
     q, k, v, cu, grad_out = (x.cuda() for x in (q, k, v, cu, grad_out))
     positions = None if positions is None else positions.cuda()
-    grads = kernel_gradients(q, k, v, cu, grad_out, positions=positions)
-    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions)
+    grads = kernel_gradients(q, k, v, cu, grad_out, hint, positions=positions)
+    assert_gradients_close_to_float64(grads, q, k, v, cu, grad_out, positions=positions, max_seqlen=hint)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter cannot hold 2**31-element tensors here)")

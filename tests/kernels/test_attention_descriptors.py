@@ -16,6 +16,7 @@ from test_attention_layouts import CU_SEQLENS, odd_head_stride, offset_base, one
 
 import qvl.kernels.attention as attention
 from conftest import ON_GPU
+from qvl.kernels import verify
 from qvl.kernels.common import ADA, HOPPER, INTERPRETER, run_launches, triton_interpreting
 
 # These launch kernels on CPU tensors for the interpreter's target: a GPU run (TRITON_INTERPRET=0) has the CUDA
@@ -45,12 +46,12 @@ def descriptor_loads(monkeypatch, fresh_attention_plans):
     return flags
 
 
-def run_attention(q, k, v, cu_seqlens, tiles, positions=None, target=INTERPRETER):
+def run_attention(q, k, v, cu_seqlens, tiles, positions=None, target=INTERPRETER, max_seqlen=None):
     """The attention output and log-sum-exp of one launch list with ``tiles`` overriding launch_config."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32, device=q.device)
     launches = attention.vision_attn_launches(
-        q, k, v, out, cu_seqlens, None, positions, 10000.0, target, None, lse, tiles
+        q, k, v, out, cu_seqlens, None, positions, 10000.0, target, max_seqlen, lse, tiles
     )
     run_launches(launches, q.device)
     return out, lse, launches[-1].kwargs["DESCRIPTORS"]
@@ -112,22 +113,25 @@ def test_layouts_tma_cannot_address_take_pointers(descriptor_loads, layout):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with TMA (sm_90+)")
-@pytest.mark.parametrize("hint", [None, 64], ids=["long", "windows"])
-def test_cuda_descriptor_loads_in_bf16(hint):
-    """On the device: descriptor loads give the pointer path's bits, within the float64 bound, with rope."""
+@pytest.mark.parametrize("head_dim", [72, 80])
+@pytest.mark.parametrize("attention_case", [pytest.param(c, id=c.name) for c in verify.ATTENTION_CASES])
+def test_cuda_descriptor_loads_in_bf16(attention_case, head_dim):
+    """On the device: descriptor loads give the pointer path's bits, both within the float64 bound, with rope, on
+    the GPU cases (qvl.kernels.verify.ATTENTION_CASES)."""
     from qvl.kernels.common import device_target
 
     target = device_target(torch.device("cuda"))
     if target.arch < 90:
         pytest.skip(f"sm_{target.arch} has no TMA")
-    lengths = [1, 257, 1024, 33, 0, 64] if hint is None else [64] * 20 + [37]
-    q, k, v = packed_qkv(sum(lengths), 16, 72, torch.bfloat16, device="cuda")
+    lengths, hint = attention_case.lengths, attention_case.max_seqlen
+    q, k, v = packed_qkv(sum(lengths), 16, head_dim, torch.bfloat16, device="cuda")
     cu = cu_seqlens_of(lengths, "cuda")
     positions = torch.randint(0, 40, (sum(lengths), 2), dtype=torch.int32, device="cuda")
-    pointer_out, pointer_lse, _ = run_attention(q, k, v, cu, {"DESCRIPTORS": False}, positions, target)
-    out, lse, used = run_attention(q, k, v, cu, {"DESCRIPTORS": True}, positions, target)
-    assert used and torch.equal(out, pointer_out) and torch.equal(lse, pointer_lse)
-    assert_close_to_float64(out, q, k, v, cu, positions=positions, target=target, max_seqlen=hint)
+    pointer_out, pointer_lse, _ = run_attention(q, k, v, cu, {"DESCRIPTORS": False}, positions, target, hint)
+    out, lse, used = run_attention(q, k, v, cu, {"DESCRIPTORS": True}, positions, target, hint)
+    assert used
+    assert_close_to_float64(pointer_out, q, k, v, cu, positions=positions, target=target, max_seqlen=hint)
+    assert torch.equal(out, pointer_out) and torch.equal(lse, pointer_lse)
 
 
 def test_targets_without_tma_take_pointers():
