@@ -12,7 +12,7 @@ import torch
 
 import qvl.vit
 from bench.sglang_inprocess import sglang_model_of, sglang_world
-from qvl.kernels.attention import vision_attn_reference
+from qvl.kernels.verify import attention_truth
 from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
 from qvl.vit.engine_tower import EngineTowerForward
 from tolerance import assert_error_within
@@ -121,7 +121,7 @@ def test_backend_takes_sglang_call_forms():
     cache.set_data(cu_seqlens)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     expected = sdpa(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=cu_seqlens)
-    truth = vision_attn_reference(q64, k64, v64, cu_seqlens).reshape(expected.shape)
+    truth = attention_truth(q64, k64, v64, cu_seqlens).reshape(expected.shape)
     before = sglang_plugin.route_counts()
     forms = (cu_seqlens, cache, [cu_seqlens, cu_seqlens.diff(), 28], [cu_seqlens, 28])
     for form in forms:
@@ -129,7 +129,7 @@ def test_backend_takes_sglang_call_forms():
         assert_error_within(out, truth, expected, what=f"cu_seqlens as {type(form).__name__}")
     equal = torch.tensor([0, 20, 40], dtype=torch.int32)
     expected = sdpa(q=q, k=k, v=v, bsz=1, seq_len=40, cu_seqlens=equal)
-    truth = vision_attn_reference(q64, k64, v64, equal).reshape(expected.shape)
+    truth = attention_truth(q64, k64, v64, equal).reshape(expected.shape)
     out = layer.qkv_backend(q=q, k=k, v=v, bsz=2, seq_len=20, cu_seqlens=None)
     assert_error_within(out, truth, expected, what="equal-length batch")
     # Every form ran on qvl's op (a fallback to SGLang's sdpa would give the same result and count elsewhere).
