@@ -23,9 +23,9 @@ from tolerance import assert_error_within, assert_grads_within
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def eager_layer_norm(x, weight, bias):
-    """torch's ``F.layer_norm`` (eps 1e-6) in x's dtype; in float64, the truth."""
-    return F.layer_norm(x, (x.shape[1],), weight, bias, 1e-6)
+def eager_layer_norm(x, weight, bias, eps=1e-6):
+    """torch's ``F.layer_norm`` in x's dtype; in float64, the truth."""
+    return F.layer_norm(x, (x.shape[1],), weight, bias, eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,13 +23,13 @@ from tolerance import assert_error_within, assert_grads_within
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm (eps 1e-6) as transformers' ``Qwen2_5_VLRMSNorm`` computes it in x's dtype, differentiable in x and
-    weight: the baseline. In float64, the truth, it is torch's ``F.rms_norm`` instead: transformers' module takes its
-    statistics in fp32 whatever x's dtype, so its float64 run would carry fp32's rounding."""
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm as transformers' ``Qwen2_5_VLRMSNorm`` computes it in x's dtype, differentiable in x and weight: the
+    baseline. In float64, the truth, it is torch's ``F.rms_norm`` instead: transformers' module takes its statistics
+    in fp32 whatever x's dtype, so its float64 run would carry fp32's rounding."""
     if x.dtype == torch.float64:
-        return F.rms_norm(x, (x.shape[-1],), weight, 1e-6)
-    return torch.func.functional_call(Qwen2_5_VLRMSNorm(weight.shape[0], eps=1e-6), {"weight": weight}, (x,))
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return torch.func.functional_call(Qwen2_5_VLRMSNorm(weight.shape[0], eps=eps), {"weight": weight}, (x,))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
