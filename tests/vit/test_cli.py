@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
-from qvl.kernels import force_backend
+from encoding import TINY_CONFIG, encode, make_video, random_picture, read_output, save_checkpoint
 from qvl.vit import VisionConfig, VisionTransformer, cli, families, processing
-from qvl.vit.checkpoint import save_vision_checkpoint
 from qvl.vit.encode import tower as encode_tower
 from qvl.vit.encode.errors import EncodeError
 from qvl.vit.encode.inputs import VideoFile, frame_files
@@ -39,20 +37,6 @@ from towers import float64_vision_outputs, hf_vision_model_of, vision_outputs
 
 IMAGE_SIZES = {"square.png": (64, 64), "wide.jpg": (96, 160), "tiny.png": (32, 32)}  # name: (height, width)
 EMBEDDED_CONFIG = encode_tower.EMBEDDED_CONFIG
-TINY_CONFIG = VisionConfig(
-    depth=2,
-    hidden_size=64,
-    num_heads=2,
-    intermediate_size=128,
-    out_hidden_size=96,
-    deepstack_visual_indexes=(0,),
-    num_position_embeddings=64,
-)
-
-
-def random_picture(height: int, width: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +52,6 @@ def images(tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def embedded_tower() -> VisionTransformer:
     return VisionTransformer(EMBEDDED_CONFIG).init_random_weights(encode_tower.EMBEDDED_SEED)
-
-
-def encode(*argv) -> int:
-    """``qvl encode ARGV`` in this process on the torch path, decoding in this process too unless ARGV says
-    ``--workers`` (its last value counts)."""
-    with force_backend("torch"):
-        return cli.main(["encode", "--workers", "0", *map(str, argv)])
-
-
-def read_output(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as handle:
-        return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata()
 
 
 def qwen3_vl_image_processor(config: VisionConfig, min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessor:
@@ -168,26 +140,6 @@ def test_video_folder_pairs_frames_like_transformers_video_processor(images, emb
     assert json.loads(metadata["grid_thw"])[1] == [2, 4, 6]
     assert tensors["image.1.merged"].shape == (2 * 4 * 6 // 4, EMBEDDED_CONFIG.out_hidden_size)
     assert_features_match(tensors, 1, embedded_tower, expected[0], [[2, 4, 6]])
-
-
-# Video files of each container the CLI names, with an encoder PyAV's wheels carry (av 18: libx264,
-# libvpx, mpeg4). 64x64 frames of noise, so that every frame differs from its neighbours.
-VIDEO_CODECS = {".mp4": "libx264", ".webm": "libvpx", ".mkv": "libx264", ".mov": "mpeg4"}
-
-
-def make_video(path: Path, frames: int, fps: int, seed: int = 0, size: int = 64) -> Path:
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(VIDEO_CODECS[path.suffix], rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for _ in range(frames):
-            pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
 
 
 def decode_all(path: Path) -> list[np.ndarray]:
@@ -303,10 +255,8 @@ def test_video_files_mix_with_images_and_folders_in_order(images, embedded_tower
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, VisionTransformer]:
-    tower = VisionTransformer(TINY_CONFIG).init_random_weights(3)
     directory = tmp_path_factory.mktemp("ckpt")
-    save_vision_checkpoint(directory, dataclasses.asdict(TINY_CONFIG), tower.state_dict())
-    return directory, tower
+    return directory, save_checkpoint(directory)
 
 
 def test_model_directory_photo_gets_the_checkpoints_grid(checkpoint, tmp_path, capsys):

@@ -17,12 +17,10 @@ import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import save_file
-from test_cli import TINY_CONFIG
 
-from qvl.kernels import force_backend
-from qvl.vit import VisionTransformer, cli
+from encoding import TINY_CONFIG, encode, read_output
+from qvl.vit import VisionTransformer
 from qvl.vit.hub import resolve_model
 
 REPO_ID = "acme/tiny-vl"
@@ -93,16 +91,6 @@ def photo(tmp_path: Path) -> Path:
     path = tmp_path / "photo.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (70, 90, 3), dtype=np.uint8)).save(path)
     return path
-
-
-def encode(*argv) -> int:
-    with force_backend("torch"):
-        return cli.main(["encode", *map(str, argv)])
-
-
-def read_output(path: Path):
-    with safe_open(str(path), framework="pt") as handle:
-        return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata()
 
 
 def test_hub_id_fetches_only_the_tower_and_encodes_as_the_directory(hub, remote, tmp_path, capsys):
