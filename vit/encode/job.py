@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -208,16 +209,32 @@ class _Job:
             tower.compile()
 
         _from_rank0(lambda: open_folder(folder, options.single_file), self.rank, self.world)
+        try:
+            return self._encode(tower, processing, folder, inputs, share, earlier, run_constants)
+        except BaseException:
+            if options.single_file and self.rank == 0:  # its parts are of no use without the file
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def _encode(self, tower, processing, folder, inputs, share, earlier, run_constants) -> int:
+        """This rank's share through the loader, the tower and the writer, then the index (or the single file)."""
+        options, device = self.options, self.device
         writes = self.rank == 0 or options.parallel == "data"
         writer = ShardWriter(folder, f"r{self.rank}", run_constants, options.shard_bytes, options.shard_inputs)
         workers = default_workers(device.type) if options.workers is None else options.workers
-        encoder = _Encoder(tower, writer if writes else None, processing, device, invariant=not options.compile)
+        # An image fills every temporal slot with one frame: both tower kinds take it once (folded rows, their patch
+        # embedding's temporal slices summed), half the pixel values and half the embedding's work.
+        fold = tower.config.temporal_patch_size > 1
+        encoder = _Encoder(tower, writer if writes else None, processing, device, not options.compile, fold)
         progress = Progress(len(share), enabled=options.progress and self.rank == 0)
         start = time.perf_counter()
-        with torch.no_grad():
-            encoder.encode(load(share, processing, options.budget, device, workers), options, progress, log)
-        writer.close()
-        progress.close()
+        try:
+            with torch.no_grad():
+                pieces = load(share, processing, options.budget, device, workers, fold)
+                encoder.encode(pieces, options, progress, self.log)
+            writer.close()
+        finally:
+            progress.close()
         entries = _gathered(writer.entries if writes else [], self.world)
         elapsed = time.perf_counter() - start
         timings = encoder.timings
@@ -282,9 +299,11 @@ class _Encoder:
     """One rank's loop: pieces -> (prepared on the device where they come unprepared) -> batches -> the tower ->
     each input's features, a video's chunks joined, -> the writer (None: a rank that does not write)."""
 
-    def __init__(self, tower, writer: ShardWriter | None, processing, device: torch.device, invariant: bool):
+    def __init__(
+        self, tower, writer: ShardWriter | None, processing, device: torch.device, invariant: bool, fold_images: bool
+    ):
         self.tower, self.writer, self.device = tower, writer, device
-        self.preparer = None if device.type == "cpu" else Preparer(processing, device)
+        self.preparer = None if device.type == "cpu" else Preparer(processing, device, fold_images)
         # Fixed-height product tiles make features independent of the batch on the CPU paths (eager only).
         self.invariant = invariant and device.type == "cpu"
         self.merge = tower.config.spatial_merge_size**2

@@ -176,12 +176,17 @@ def _as_is(piece: Piece) -> Piece:
 
 
 def load(
-    inputs: Sequence[Input], processing: Processing, budget: int, device: torch.device, workers: int
+    inputs: Sequence[Input],
+    processing: Processing,
+    budget: int,
+    device: torch.device,
+    workers: int,
+    fold_images: bool = False,
 ) -> Iterator[Piece]:
     """The pieces of ``inputs``, read by ``workers`` processes (0: in this one). On a CPU ``device`` the workers also
-    prepare them; for a GPU they only decode, into pinned memory, and the caller prepares on the device
-    (:class:`~qvl.vit.encode.prepare.Preparer`)."""
-    preparer = Preparer(processing, "cpu") if device.type == "cpu" else None
+    prepare them (images folded with ``fold_images``); for a GPU they only decode, into pinned memory, and the caller
+    prepares on the device (:class:`~qvl.vit.encode.prepare.Preparer`)."""
+    preparer = Preparer(processing, "cpu", fold_images) if device.type == "cpu" else None
     stream = PieceStream(inputs, processing, budget, preparer)
     workers = min(workers, len(inputs))
     if workers == 0:
@@ -194,25 +199,33 @@ def load(
 
 class Packer:
     """Pieces -> batches of at most ``budget`` patches and ``max_pieces`` pieces, in arrival order; a piece of more
-    than ``budget`` patches runs alone."""
+    than ``budget`` patches runs alone. Pieces whose rows differ in width (an image's folded rows, a video's whole
+    ones) never share a batch, so that an image's features never depend on whether a video came with it: each width
+    fills a batch of its own."""
 
     def __init__(self, budget: int, max_pieces: int | None = None):
         self.budget, self.max_pieces = budget, max_pieces
-        self._batch: list[Piece] = []
-        self._patches = 0
+        self._open: dict[int, tuple[list[Piece], int]] = {}  # row width -> (queued pieces, their patches)
 
     def add(self, piece: Piece) -> list[list[Piece]]:
-        """Queue ``piece``; returns the batches that are now complete (none, or the queued one, or both it and
-        ``piece`` alone)."""
-        full = self._patches + piece.patches > self.budget or len(self._batch) == self.max_pieces
-        ready = self.flush() if full else []
+        """Queue ``piece`` (prepared: its ``rows`` set); returns the batches that are now complete (none, or the
+        queued one of its width, or both it and ``piece`` alone)."""
+        width = piece.rows.shape[-1]
+        batch, patches = self._open.pop(width, ([], 0))
+        ready = []
+        if batch and (patches + piece.patches > self.budget or len(batch) == self.max_pieces):
+            ready, batch, patches = [batch], [], 0
         if piece.patches >= self.budget:
-            return [*ready, [piece]]
-        self._batch.append(piece)
-        self._patches += piece.patches
+            ready.append([piece])
+        else:
+            batch.append(piece)
+            patches += piece.patches
+        if batch:
+            self._open[width] = batch, patches
         return ready
 
     def flush(self) -> list[list[Piece]]:
-        """The queued batch, if any, now."""
-        batch, self._batch, self._patches = self._batch, [], 0
-        return [batch] if batch else []
+        """The queued batches, if any, now."""
+        batches = [batch for batch, _ in self._open.values()]
+        self._open = {}
+        return batches
