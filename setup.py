@@ -16,7 +16,8 @@ setup(
     python_requires=">=3.10",
     packages=["qvl.kernels", "qvl.kernels.attention", "qvl.vit", "qvl.vit.encode"],
     package_dir={"qvl.kernels": "kernels", "qvl.vit": "vit"},
-    package_data={"qvl.kernels": ["attention_tiles.json"]},  # the tuned attention tiles launch_config reads
+    # the tuned attention tiles launch_config reads; the device verdicts the defaults follow
+    package_data={"qvl.kernels": ["attention_tiles.json", "device_verdicts.json"]},
     install_requires=[
         "torch>=2.11",
         "triton>=3.6",

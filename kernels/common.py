@@ -48,6 +48,8 @@ from triton.compiler.compiler import CompiledKernel
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
+from . import verdicts
+
 try:
     from triton._C.libtriton import native_specialize_impl
 except ImportError:  # a Triton without it launches every kernel through kernel[grid] (see fast_binder)
@@ -75,6 +77,7 @@ __all__ = [
     "fast_binder",
     "fast_launch_default",
     "fast_launch_enabled",
+    "fast_launch_setting",
     "force_backend",
     "next_power_of_2",
     "refuse_autograd",
@@ -228,26 +231,34 @@ class KernelLaunch(NamedTuple):
     kwargs: dict[str, Any]
 
     def run(self) -> None:
-        """Launch on the current device and stream (a CUDA launch through the fast path below, when it is on)."""
-        if _INTERPRETING or not _fast_launch:
+        """Launch on the current device and stream (a CUDA launch through the fast path below, where it is on)."""
+        if _INTERPRETING:
             self.kernel[self.grid](**self.args, **self.kwargs)
+            return
+        device = torch.cuda.current_device()
+        if fast_launch_enabled(device):
+            _launch(self, device)
         else:
-            _launch(self, torch.cuda.current_device())
+            self.kernel[self.grid](**self.args, **self.kwargs)
 
 
 def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None:
     """Run ``launches`` in order, with ``device`` current (see :func:`device_guard`)."""
-    if _INTERPRETING or not _fast_launch or device.type != "cuda":
+    if _INTERPRETING or device.type != "cuda":
         with device_guard(device):
             for launch in launches:
                 launch.run()
         return
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
+    fast = fast_launch_enabled(index)
     # Switching devices costs microseconds each way: only a launch on another GPU pays it.
     with device_guard(device) if index != current else contextlib.nullcontext():
         for launch in launches:
-            _launch(launch, index)
+            if fast:
+                _launch(launch, index)
+            else:
+                launch.kernel[launch.grid](**launch.args, **launch.kwargs)
 
 
 # Fast launches (issue 31): what Triton's ``JITFunction.run`` does per call (kwargs dicts, the generated binder,
@@ -257,32 +268,50 @@ def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None
 # ``JITFunction.run`` ends (and as ``CompiledKernel.__getitem__`` launches). That repeats Triton internals (the
 # binder's specialization, the device cache's layout, the compiled launcher's arguments), read against the source of
 # each version below and the binders checked against each version's own (tests/kernels/test_fast_launch.py): torch
-# 2.11 to 2.15 pin Triton 3.6 to 3.9. Another version starts with the path off, so a Triton that
-# changed them runs qvl as Triton launches it (correct, with Triton's host cost) until it is checked and added here.
+# 2.11 to 2.15 pin Triton 3.6 to 3.9. Another version never takes the path by default, so a Triton that changed them
+# runs qvl as Triton launches it (correct, with Triton's host cost) until it is checked and added here. On these
+# versions it is still a variant that has not run on a GPU: a GPU takes it by default only with a "right" device
+# verdict (qvl.kernels.verdicts: the package's table, or qvl check on that machine).
 FAST_LAUNCH_TRITON = ("3.6", "3.7", "3.8", "3.9")
 
 
-def fast_launch_default(setting: str | None, triton_version: str) -> bool:
-    """Whether the fast path starts on: ``setting`` is ``QVL_FAST_LAUNCH`` (None when unset; ``""`` or ``"0"`` off,
-    anything else on), and unset it is on for the Triton versions of :data:`FAST_LAUNCH_TRITON`."""
-    if setting is not None:
-        return setting not in ("", "0")
-    return ".".join(triton_version.split(".")[:2]) in FAST_LAUNCH_TRITON
+def fast_launch_setting(setting: str | None) -> bool | None:
+    """``QVL_FAST_LAUNCH`` read: None when unset (the device verdicts decide), ``""`` or ``"0"`` off, anything
+    else on."""
+    return None if setting is None else setting not in ("", "0")
 
 
-_fast_launch = fast_launch_default(os.environ.get("QVL_FAST_LAUNCH"), triton.__version__)
+def fast_launch_default(triton_version: str, verified: bool) -> bool:
+    """Whether the fast path is on without a setting: on a Triton version of :data:`FAST_LAUNCH_TRITON` whose fast
+    launches the GPU ``verified`` right (a device verdict), off otherwise."""
+    return verified and ".".join(triton_version.split(".")[:2]) in FAST_LAUNCH_TRITON
 
 
-def set_fast_launch(enabled: bool) -> None:
-    """Switch the fast launch path on or off (see :func:`fast_launch_default` for how it starts; ``QVL_FAST_LAUNCH=0``
-    starts with it off). Off, every launch goes through ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m
-    bench.bench_host``."""
+_fast_launch = fast_launch_setting(os.environ.get("QVL_FAST_LAUNCH"))
+# The default per CUDA device index, decided on its first launch.
+_fast_by_device: dict[int, bool] = {}
+
+
+def set_fast_launch(enabled: bool | None) -> None:
+    """Switch the fast launch path on or off for every device (None: back to the device verdicts' default, see
+    :func:`fast_launch_default`; ``QVL_FAST_LAUNCH`` sets it at import). Off, every launch goes through
+    ``kernel[grid](**args, **kwargs)``: the A/B of ``python -m bench.bench_host``."""
     global _fast_launch
-    _fast_launch = bool(enabled)
+    _fast_launch = None if enabled is None else bool(enabled)
+    _fast_by_device.clear()
 
 
-def fast_launch_enabled() -> bool:
-    return _fast_launch
+def fast_launch_enabled(device: int | None = None) -> bool:
+    """Whether launches on CUDA device index ``device`` (default: the current one) take the fast path."""
+    if _fast_launch is not None:
+        return _fast_launch
+    if device is None:
+        device = torch.cuda.current_device()
+    enabled = _fast_by_device.get(device)
+    if enabled is None:
+        variant = verdicts.decision("launch", _cuda_target(device), device).variant
+        enabled = _fast_by_device[device] = fast_launch_default(triton.__version__, variant == "fast")
+    return enabled
 
 
 class FastBinder:

@@ -194,7 +194,7 @@ def key_block(
     log-sum-exp, so inherit its roundings too)."""
     blocks = [launch_config(head_dim, dtype, target, max_seqlen)["BLOCK_N"]]
     if backward:
-        configs = backward_launch_config(head_dim, dtype, max_seqlen)
+        configs = backward_launch_config(head_dim, dtype, target, max_seqlen)
         blocks += [configs["dq"]["BLOCK_N"], configs["dkdv"]["BLOCK_M"]]
     return min(blocks)
 

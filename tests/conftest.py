@@ -74,10 +74,10 @@ def fresh_attention_plans():
 def use_head_dim_layout():
     """``use_head_dim_layout(layout)`` switches the attention kernels' head-dim layout
     (:func:`qvl.kernels.attention.set_head_dim_layout`) for the rest of the test; the process's layout comes back
-    after it."""
-    from qvl.kernels.attention import head_dim_layout, set_head_dim_layout
+    after it (a layout set before it, or each target's default)."""
+    from qvl.kernels.attention import config, set_head_dim_layout
 
-    before = head_dim_layout()
+    before = config._head_dim_layout
     yield set_head_dim_layout
     set_head_dim_layout(before)
 

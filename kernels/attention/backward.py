@@ -574,7 +574,7 @@ def vision_attn_backward_launches(
         KernelLaunch(_attn_bwd_delta_kernel, (cdiv(num_tokens, block_t), num_heads), delta_args, delta_config)
     )
 
-    configs = backward_launch_config(head_dim, q.dtype, max_seqlen)
+    configs = backward_launch_config(head_dim, q.dtype, target, max_seqlen)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     wide = needs_wide_offsets(num_tokens, q, k, v, grad_out, dq, dk, dv)
     # What both kernels read; each adds its outputs.

@@ -25,7 +25,16 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import FMA_CONTRACTION, next_power_of_2, shared_memory_per_block, strides_16_byte_aligned
+from .. import verdicts
+from ..common import (
+    FMA_CONTRACTION,
+    INTERPRETER,
+    device_target,
+    next_power_of_2,
+    shared_memory_per_block,
+    strides_16_byte_aligned,
+    triton_interpreting,
+)
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -78,8 +87,10 @@ class HeadDimTiles(NamedTuple):
         return self.main + self.tail
 
 
-# How heads whose width is not a power of two are tiled (see head_dim_tiles), for every attention kernel of the
-# process: "split" (the default), "split32" or "padded", from this environment variable, read once at import.
+# How heads whose width is not a power of two are tiled (see head_dim_tiles): "split", "split32" or "padded". This
+# environment variable sets it for every attention kernel of the process, read once at import; unset, each target
+# takes the layout its device verdicts allow (qvl.kernels.verdicts: padded on a GPU without a "right" verdict for a
+# faster one, split on Triton's interpreter).
 HEAD_DIM_LAYOUTS = ("split", "split32", "padded")
 # The narrowest tail tile of each split layout.
 _MIN_TAIL = {"split": 16, "split32": 32}
@@ -92,26 +103,49 @@ def _checked_layout(layout: object, source: str) -> str:
     return layout
 
 
-_head_dim_layout = _checked_layout(os.environ.get(HEAD_DIM_LAYOUT_VARIABLE) or "split", HEAD_DIM_LAYOUT_VARIABLE)
+_setting = os.environ.get(HEAD_DIM_LAYOUT_VARIABLE)
+_head_dim_layout = _checked_layout(_setting, HEAD_DIM_LAYOUT_VARIABLE) if _setting else None
 
 
-def head_dim_layout() -> str:
-    """The head-dim layout the attention kernels use now: one of :data:`HEAD_DIM_LAYOUTS` (:func:`head_dim_tiles`)."""
-    return _head_dim_layout
+def _default_target() -> GPUTarget:
+    """The target of a launch that names none: the current CUDA device's where the kernels run compiled on one,
+    else the interpreter's."""
+    if not triton_interpreting() and torch.cuda.is_available():
+        return device_target(torch.device("cuda"))
+    return INTERPRETER
 
 
-def set_head_dim_layout(layout: str) -> None:
-    """Tile non-power-of-two heads as ``layout`` from the next launch on, forward and backward (plans made for the
-    other layout are dropped). ``QVL_ATTENTION_HEAD_DIM`` sets it at import; ``bench.head_dim_check`` decides it
-    for a device run. ValueError for any other value."""
+def head_dim_layout(target: GPUTarget | None = None) -> str:
+    """The head-dim layout the attention kernels use on ``target`` (default: the current GPU's, or the
+    interpreter's): one of :data:`HEAD_DIM_LAYOUTS` (:func:`head_dim_tiles`). The one set
+    (``QVL_ATTENTION_HEAD_DIM``, :func:`set_head_dim_layout`), else the target's default by its device verdicts
+    (:func:`qvl.kernels.verdicts.decision`)."""
+    if _head_dim_layout is not None:
+        return _head_dim_layout
+    target = target or _default_target()
+    return verdicts.decision("head_dim", target, _live_device(target)).variant
+
+
+def _live_device(target: GPUTarget) -> int | None:
+    """The current CUDA device's index where ``target`` is that device's (its own verdicts count), else None."""
+    if target.backend != "cuda" or triton_interpreting() or not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    return index if device_target(torch.device("cuda", index)) == target else None
+
+
+def set_head_dim_layout(layout: str | None) -> None:
+    """Tile non-power-of-two heads as ``layout`` on every target from the next launch on, forward and backward
+    (plans made for another layout are dropped); None: each target's default again. ``QVL_ATTENTION_HEAD_DIM``
+    sets it at import. ValueError for any other value."""
     global _head_dim_layout
-    _head_dim_layout = _checked_layout(layout, "layout")
+    _head_dim_layout = None if layout is None else _checked_layout(layout, "layout")
     reload_tile_table()
 
 
 @contextlib.contextmanager
-def head_dim_layout_in(layout: str) -> Iterator[None]:
-    """:func:`set_head_dim_layout` for the ``with`` block; the layout in use before it comes back after it. Each
+def head_dim_layout_in(layout: str | None) -> Iterator[None]:
+    """:func:`set_head_dim_layout` for the ``with`` block; the setting before it comes back after it. Each
     launch reads the layout when it is built, the backward's too: a training step whose forward runs in the block
     takes its backward there as well, or the backward tiles the head dim in the layout of the moment."""
     before = _head_dim_layout
@@ -122,9 +156,9 @@ def head_dim_layout_in(layout: str) -> Iterator[None]:
         set_head_dim_layout(before)
 
 
-def head_dim_tiles(head_dim: int, layout: str | None = None) -> HeadDimTiles:
+def head_dim_tiles(head_dim: int, layout: str | None = None, target: GPUTarget | None = None) -> HeadDimTiles:
     """The head-dim tiling of the attention kernels for heads of ``head_dim`` columns in ``layout`` (default: the
-    process's, :func:`head_dim_layout`).
+    one :func:`head_dim_layout` gives ``target``).
 
     A power of two is one tile in every layout (at least 16 wide: narrower heads take a 16-wide tile with masked
     columns). Otherwise, ``"split"``: the main tile is the largest power of two below ``head_dim`` and the tail
@@ -147,11 +181,13 @@ def head_dim_tiles(head_dim: int, layout: str | None = None) -> HeadDimTiles:
     H200 with Triton 3.6 wherever a segment ended inside a key block, though the same kernels were right in
     Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. The split layouts
     have not run on a GPU yet; the padded one is the fallback a device run takes where they are wrong.)"""
-    layout = layout or _head_dim_layout
     if head_dim <= 16:
         return HeadDimTiles(16, 0)
     main = next_power_of_2(head_dim)
-    if main == head_dim or layout == "padded":
+    if main == head_dim:
+        return HeadDimTiles(main, 0)
+    layout = layout or head_dim_layout(target)
+    if layout == "padded":
         return HeadDimTiles(main, 0)
     main //= 2
     tail = max(_MIN_TAIL[layout], next_power_of_2(head_dim - main))
@@ -181,12 +217,13 @@ def segment_class(max_seqlen: int | None) -> str:
 
 def tile_key(target: GPUTarget, head_dim: int, dtype: torch.dtype, max_seqlen: int | None) -> str:
     """The tile table's key for a launch: ``"cuda:90/bfloat16/D72/long"``, with the head-dim layout appended
-    (``"/padded"``, ``"/split32"``) where a layout other than split is in use and tiles ``head_dim`` otherwise than
-    split does (tiles measured for one tiling say nothing of another)."""
+    (``"/padded"``, ``"/split32"``) where the target's layout is not split and tiles ``head_dim`` otherwise than split
+    does (tiles measured for one tiling say nothing of another)."""
     dtype_name = str(dtype).removeprefix("torch.")
     key = f"{target.backend}:{target.arch}/{dtype_name}/D{head_dim}/{segment_class(max_seqlen)}"
-    if head_dim_tiles(head_dim) != head_dim_tiles(head_dim, "split"):
-        key += f"/{_head_dim_layout}"
+    layout = head_dim_layout(target)
+    if head_dim_tiles(head_dim, layout) != head_dim_tiles(head_dim, "split"):
+        key += f"/{layout}"
     return key
 
 
@@ -196,12 +233,12 @@ def tma_capable(target: GPUTarget) -> bool:
     return (target.backend == "cuda" and target.arch >= 90) or target.backend == "interpreter"
 
 
-def head_dim_config(head_dim: int, dtype: torch.dtype) -> dict:
+def head_dim_config(head_dim: int, dtype: torch.dtype, target: GPUTarget) -> dict:
     """What every attention kernel's launch takes besides its tiles: the head-dim tiling (:func:`head_dim_tiles`:
     ``D_MAIN``, ``D_TAIL``, 0 for none), the dot precision (fp32 exact, 16-bit on tensor cores) and the FMA
     option."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    tiles = head_dim_tiles(head_dim)
+    tiles = head_dim_tiles(head_dim, target=target)
     return dict(HEAD_DIM=head_dim, D_MAIN=tiles.main, D_TAIL=tiles.tail, DOT_PRECISION=precision, **FMA_CONTRACTION)
 
 
@@ -233,13 +270,13 @@ def launch_config(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seql
         tiles = {key: tuned[key] for key in TILE_KEYS}
     else:
         tiles = heuristic_tiles(head_dim, dtype, target, max_seqlen)
-    return {**head_dim_config(head_dim, dtype), **tiles}
+    return {**head_dim_config(head_dim, dtype, target), **tiles}
 
 
 def heuristic_tiles(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None) -> dict:
     """The :data:`TILE_KEYS` :func:`launch_config` takes where the tile table has no entry (its docstring says
     why these)."""
-    width = head_dim_tiles(head_dim).width
+    width = head_dim_tiles(head_dim, target=target).width
     if dtype == torch.float32 or width > 128:
         budget = shared_memory_per_block(target)
         if dtype == torch.float32 and width > 128 and budget is not None and budget < 136 * 1024:
@@ -250,7 +287,9 @@ def heuristic_tiles(head_dim: int, dtype: torch.dtype, target: GPUTarget, max_se
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, DESCRIPTORS=False)
 
 
-def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | None = None) -> dict[str, dict]:
+def backward_launch_config(
+    head_dim: int, dtype: torch.dtype, target: GPUTarget, max_seqlen: int | None = None
+) -> dict[str, dict]:
     """The backward's counterpart of :func:`launch_config`: ``{"dkdv": ..., "dq": ...}``, the meta-parameters
     and compile options of the dK/dV and the dQ kernels (same head-dim tiling and precision as the forward).
 
@@ -266,7 +305,7 @@ def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | 
     of sm_86, sm_89 and sm_12x; tests/kernels/compile_sm90.py compiles them for sm_90 and sm_89. The
     interpreter ignores warps, stages and options.
     """
-    width = head_dim_tiles(head_dim).width
+    width = head_dim_tiles(head_dim, target=target).width
     if dtype == torch.float32:
         dkdv = dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)
         dq = dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
@@ -279,7 +318,7 @@ def backward_launch_config(head_dim: int, dtype: torch.dtype, max_seqlen: int | 
     else:
         dkdv = dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3)
         dq = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
-    common = head_dim_config(head_dim, dtype)
+    common = head_dim_config(head_dim, dtype, target)
     return {"dkdv": {**common, **dkdv}, "dq": {**common, **dq}}
 
 

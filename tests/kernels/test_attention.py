@@ -125,7 +125,7 @@ def test_head_dim_layout_switch(use_head_dim_layout):
     assert head_dim_tiles(72) == (128, 0)
     config = launch_config(72, torch.bfloat16, HOPPER)
     assert (config["D_MAIN"], config["D_TAIL"]) == (128, 0)
-    backward = attention.backward_launch_config(80, torch.bfloat16)
+    backward = attention.backward_launch_config(80, torch.bfloat16, HOPPER)
     assert {(c["D_MAIN"], c["D_TAIL"]) for c in backward.values()} == {(128, 0)}
     assert attention.tile_key(HOPPER, 72, torch.bfloat16, None) == split_key + "/padded"
     assert attention.tile_key(HOPPER, 64, torch.bfloat16, None) == "cuda:90/bfloat16/D64/long"  # one layout

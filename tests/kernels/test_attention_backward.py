@@ -16,7 +16,7 @@ import qvl.kernels.attention as attention
 from conftest import ON_GPU
 from qvl.kernels import force_backend, verify
 from qvl.kernels.attention import backward_launch_config
-from qvl.kernels.common import device_target
+from qvl.kernels.common import INTERPRETER, device_target
 from tolerance import assert_error_within
 
 
@@ -96,7 +96,7 @@ def test_window_tiles_and_softmax_scale(head_dim_layout, use_head_dim_layout):
     width of D 80's tail (16 or 32 columns)."""
     use_head_dim_layout(head_dim_layout)
     for hint, resident_rows in ((None, 128), (64, 64)):
-        config = backward_launch_config(80, torch.float16, hint)
+        config = backward_launch_config(80, torch.float16, INTERPRETER, hint)
         assert config["dkdv"]["BLOCK_N"] == config["dq"]["BLOCK_M"] == resident_rows
         assert config["dq"]["D_TAIL"] == (16 if head_dim_layout == "split" else 32)
     lengths = [64, 30, 0, 64]

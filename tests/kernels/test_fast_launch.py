@@ -167,22 +167,26 @@ def test_a_triton_without_its_specializer_launches_every_kernel_through_triton(k
 
 
 @pytest.mark.parametrize(
-    ("setting", "version", "on"),
+    ("version", "verified", "on"),
     [
-        (None, "3.6.0", True),
-        (None, "3.7.1", True),
-        (None, "3.8.0", True),
-        (None, "3.9.0+git1a2b3c4", True),
-        (None, "3.10.0", False),
-        (None, "4.0.0", False),
-        ("1", "3.10.0", True),
-        ("0", "3.9.0", False),
-        ("", "3.9.0", False),
+        ("3.6.0", True, True),
+        ("3.7.1", True, True),
+        ("3.8.0", True, True),
+        ("3.9.0+git1a2b3c4", True, True),
+        ("3.6.0", False, False),
+        ("3.9.0", False, False),
+        ("3.10.0", True, False),
+        ("4.0.0", True, False),
     ],
 )
-def test_the_fast_path_starts_on_for_the_checked_triton_versions_unless_set(setting, version, on):
-    """QVL_FAST_LAUNCH unset: on where the fast path was checked against the version's internals; set, as it says."""
-    assert common.fast_launch_default(setting, version) is on
+def test_the_fast_path_is_on_by_default_only_where_verified_on_a_checked_triton(version, verified, on):
+    """Unset, the fast path needs both: a Triton whose internals it was checked against, and a device verdict."""
+    assert common.fast_launch_default(version, verified) is on
+
+
+@pytest.mark.parametrize(("setting", "on"), [(None, None), ("1", True), ("yes", True), ("0", False), ("", False)])
+def test_qvl_fast_launch_sets_it_outright(setting, on):
+    assert common.fast_launch_setting(setting) is on
 
 
 def _counting_triton_launches(kernel, monkeypatch) -> list:
