@@ -9,12 +9,12 @@
 #
 # default (both issues' quick cases):
 #   1. device, driver, versions, commit, mode and budget                                  device.txt
-#   1b. (every mode) the head-dim layout check (bench/head_dim_check.py: the split tiling of D 72, and D 80 with
-#      --attention/--full, against float64, split32 where split disagreed, and the padded one; the rope forward
-#      timed in each that agreed); every later step runs in the layout it prints (QVL_ATTENTION_HEAD_DIM: split or
-#      split32 where it agreed, else padded). Skipped where the caller set QVL_ATTENTION_HEAD_DIM=split|split32|padded
-#      (an earlier run's verdict, the later steps run in that one)
-#                                                                         head_dim.log, head_dim.json, device.txt
+#   1b. (every mode) the head-dim layout check (qvl check: every op and each head-dim layout, padded, split and
+#      split32, in processes of their own against float64 on the cases that failed before, D 72 and with
+#      --attention/--full D 80; the fast launch path bit for bit; this machine's verdicts recorded); every later step
+#      runs in the layout it says the package now takes (QVL_ATTENTION_HEAD_DIM: split or split32 where right, else
+#      padded). Skipped where the caller set QVL_ATTENTION_HEAD_DIM=split|split32|padded (an earlier run's verdict,
+#      the later steps run in that one)                                       check.log, check.json, device.txt
 #   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35, less when the
 #      budget is short); it writes kernels/attention_tiles.json, which the tests and benchmarks after it then use
 #                                                                                       tune.log, attention_tiles.json
@@ -63,7 +63,7 @@ ship() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/$stamp.tar.gz" -C bench/results "$stamp"
   for f in device.txt attention_tiles.json goals.txt; do [ -f "$out/$f" ] && cp "$out/$f" "$OUT/"; done
-  for log in head_dim gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
+  for log in check gpu_tests tune tune_rows bench; do [ -f "$out/$log.log" ] && tail -c 60000 "$out/$log.log" > "$OUT/$log-tail.log"; done
   return 0
 }
 # phase NAME [LIMIT]: each step's start and time limit, also kept in phases.txt (what each took on the device: what
@@ -139,20 +139,21 @@ set_layout() {
 }
 layout_check() {
   phase "head-dim layout check" "$1"
-  # The verdict comes once the split rows are done where split agrees (about half the time), after split32's rows
-  # where it does not; the padded rows after it are for comparison. The check itself runs in no preset layout.
+  # qvl check: every head-dim layout in a process of its own at once, against float64 on the cases that failed
+  # before; it records this machine's verdicts and prints the layout the package now takes. Memcheck runs with the
+  # CUDA tests. The check itself runs in no preset layout.
   local head_dims=(72) layout
   case "$mode" in --attention|--full) head_dims=(72 80) ;; esac
-  env -u QVL_ATTENTION_HEAD_DIM timeout -k 5 "$1" python3 -m bench.head_dim_check --head-dims "${head_dims[@]}" \
-    --json "$out/head_dim.json" 2>&1 | tee "$out/head_dim.log" | tail -8
-  layout="$(sed -n 's/^head-dim layout: //p' "$out/head_dim.log" | tail -1)"
+  env -u QVL_ATTENTION_HEAD_DIM timeout -k 5 "$1" python3 -m qvl.kernels.check --head-dims "${head_dims[@]}" \
+    --timeout $(($1 - 10)) --no-memcheck --json "$out/check.json" 2>&1 | tee "$out/check.log" | tail -12
+  layout="$(sed -n 's/^from the next process on: head_dim \([a-z0-9]*\) .*/\1/p' "$out/check.log" | tail -1)"
   if [ -n "$layout" ]; then
-    set_layout "$layout" "chosen by bench.head_dim_check"
+    set_layout "$layout" "chosen by qvl check"
   else
-    set_layout padded "bench.head_dim_check gave no verdict"
+    set_layout padded "qvl check gave no verdict"
   fi
 }
-layout_check_skipped() { set_layout padded "the budget left bench.head_dim_check no time"; }
+layout_check_skipped() { set_layout padded "the budget left qvl check no time"; }
 plan=()
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
   split|split32|padded)

@@ -9,7 +9,7 @@ Issue 30 (``bench_attention``, ``bench_attention_backward``, ``bench_window``; H
 its fastest non-qvl row):
 
 * head dims 72 and 80 in the split tiling (1.11x the useful dot work at D 72, none extra at D 80) agree with float64
-  on the device, forward and backward (``head_dim.json``: bench/head_dim_check.py, the run's first step);
+  on the device, forward and backward (``check.json``: qvl check, the run's first step);
 * D 72 (Qwen3-VL 8B) with rope (``qvl+rope``, the towers' call): >= 1.15x the best peer at S 4,096 and 16,384, on
   the 8 mixed images and on the 16-frame video; >= 1.0x on one 1,024-token image; >= 420 TFLOP/s at S 16,384;
 * rope at no cost: ``qvl+rope`` within 5 % of ``qvl``'s time in every D 72 case;
@@ -94,11 +94,11 @@ class Run:
                 continue
             if isinstance(data, dict) and "bench" in data and "records" in data:
                 self.reports[data["bench"]] = data
-        # bench/head_dim_check.py's results (device_check.sh's first step), None where the run has none.
-        self.head_dim = None
-        if (folder / "head_dim.json").is_file():
+        # qvl check's results (device_check.sh's first step), None where the run has none.
+        self.check = None
+        if (folder / "check.json").is_file():
             try:
-                self.head_dim = json.loads((folder / "head_dim.json").read_text())
+                self.check = json.loads((folder / "check.json").read_text())
             except ValueError:
                 pass
 
@@ -238,18 +238,19 @@ def _cases(rows: dict[tuple[str, str], dict], prefix: str) -> list[str]:
 
 
 def head_dim_goals(run: Run) -> Iterator[Verdict]:
-    rows = [] if run.head_dim is None else run.head_dim["rows"]
-    for head_dim in dict.fromkeys(row["head_dim"] for row in rows):
-        split = [row for row in rows if row["head_dim"] == head_dim and row["layout"] == "split"]
+    """Per head dim: every split-layout row of qvl check (forward and backward, with and without rope) within its
+    bound, and the split layout's worker finished (its verdict)."""
+    rows = [] if run.check is None else run.check["rows"]
+    split = [row for row in rows if row["variant"] == "head_dim split"]
+    verdict = (run.check or {}).get("verdicts", {}).get("head_dim:split", {})
+    for head_dim in dict.fromkeys(int(row["op"].split()[1][1:]) for row in split):
         goal = f"head dim {head_dim}, split tiling: forward and backward agree with float64 on the device"
-        if not split:
-            yield Verdict(goal, "-", None)
-            continue
-        errors = [err for row in split for err in row["errors"].values()]
-        worst = "raised" if any("error" in row for row in split) else f"max rel err {max(map(float, errors)):.1e}"
-        yield Verdict(goal, worst, all(row["agrees"] for row in split))
-    if not rows:
-        yield Verdict("head-dim tiling on the device (head_dim.json)", "-", None)
+        mine = [row for row in split if int(row["op"].split()[1][1:]) == head_dim]
+        worst = max(float(row["ratio"]) for row in mine)
+        right = all(row["passed"] for row in mine) and verdict.get("verdict") == "right"
+        yield Verdict(goal, f"worst error {worst:.2f} of its bound", right)
+    if not split:
+        yield Verdict("head-dim tiling on the device (check.json)", verdict.get("why", "-"), None)
 
 
 def attention_goals(run: Run) -> Iterator[Verdict]:

@@ -51,6 +51,7 @@ __all__ = [
     "machine_of",
     "machine_verdicts",
     "packaged_verdicts",
+    "qvl_version",
     "record_verdicts",
     "reset",
     "verdict_for",
@@ -120,7 +121,7 @@ class Machine(NamedTuple):
         return f"{name}-sm{self.arch}-{digest}.json"
 
 
-def _qvl_version() -> str:
+def qvl_version() -> str:
     try:
         return importlib.metadata.version("qvl")
     except importlib.metadata.PackageNotFoundError:
@@ -148,7 +149,7 @@ def machine_of(device_index: int) -> Machine:
         _driver_version(),
         torch.__version__,
         triton.__version__,
-        _qvl_version(),
+        qvl_version(),
     )
 
 

@@ -61,16 +61,16 @@ class AttentionCase(NamedTuple):
 # bench/results/diag-20261204/), and the plain layouts beside them. At GPU sizes: 16 heads.
 ATTENTION_CASES = (
     AttentionCase("ragged", (1, 257, 1024, 33), None, "segments ending inside key blocks (error 1.8 at D 80 before)"),
-    AttentionCase("lone 33", (33,), None, "one segment shorter than a key block alone (NaN at D 72 before)"),
+    AttentionCase("lone-33", (33,), None, "one segment shorter than a key block alone (NaN at D 72 before)"),
     AttentionCase("300", (300,), None, "one segment ending inside a key block (error 0.35 at D 72 before)"),
-    AttentionCase("inside blocks", (65, 129, 0, 200, 1, 130), None, "every segment ends inside a query tile"),
+    AttentionCase("inside-blocks", (65, 129, 0, 200, 1, 130), None, "every segment ends inside a query tile"),
     AttentionCase("windows", (64, 48, 0, 16, 1, 37), 64, "window tiles, edge windows shorter than a key block"),
     AttentionCase("aligned", (1024, 256), None, "block multiples: no ragged block"),
 )
 # The same cases at the interpreter's sizes (2 heads): Triton's interpreter takes seconds per thousand tokens.
 INTERPRETER_ATTENTION_CASES = (
     AttentionCase("ragged", (1, 65, 33, 0, 17), None, ATTENTION_CASES[0].why),
-    AttentionCase("lone 33", (33,), None, ATTENTION_CASES[1].why),
+    AttentionCase("lone-33", (33,), None, ATTENTION_CASES[1].why),
     AttentionCase("300", (300,), None, ATTENTION_CASES[2].why),
     AttentionCase("windows", (64, 48, 0, 16, 1, 37), 64, ATTENTION_CASES[4].why),
     AttentionCase("aligned", (64, 128), None, ATTENTION_CASES[5].why),

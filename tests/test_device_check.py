@@ -18,7 +18,7 @@ PYTHON3 = """#!/usr/bin/env bash
 echo "$* | ${QVL_ATTENTION_HEAD_DIM:-unset}" >> "$CALLS"
 [ -n "$HANG_ON" ] && case "$*" in *"$HANG_ON"*) exec sleep 600 ;; esac
 case "$*" in
-  *bench.head_dim_check*) [ -n "$FAKE_VERDICT" ] && echo "head-dim layout: $FAKE_VERDICT" ;;
+  *qvl.kernels.check*) [ -n "$FAKE_VERDICT" ] && echo "from the next process on: head_dim $FAKE_VERDICT (a reason)" ;;
   -) cat > /dev/null ;;
 esac
 exit 0
@@ -86,7 +86,8 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
     assert calls[0].startswith("-c import torch, triton, transformers")
     check = calls[1]
     head_dims = "72 80" if mode == "--attention" else "72"
-    assert check.startswith(f"-m bench.head_dim_check --head-dims {head_dims} --json ") and check.endswith("| unset")
+    assert check.startswith(f"-m qvl.kernels.check --head-dims {head_dims} --timeout ") and check.endswith("| unset")
+    assert " --no-memcheck --json " in check
     later = calls[2:]
     assert later and all(call.endswith(f"| {layout}") for call in later), later
     assert calls[-2].startswith("-m bench.plot ") and calls[-1].startswith("-m bench.goals ")
@@ -104,12 +105,12 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
         # flex_attention compiles per shape: its compiles would spend these steps' limits before any row.
         assert all(benches[name].endswith("--skip flex_attention") for name in attention), benches
     last_line = (run / "device.txt").read_text().splitlines()[-1]
-    why = "chosen by bench.head_dim_check" if verdict else "bench.head_dim_check gave no verdict"
+    why = "chosen by qvl check" if verdict else "qvl check gave no verdict"
     assert last_line == f"attention head-dim layout: {layout} ({why})"
     phases = [line.split(" (at ")[0] for line in (run / "phases.txt").read_text().splitlines()]
     assert phases[:2] == ["=== device", "=== head-dim layout check"] and phases[-2:] == ["=== goals", "=== done"]
     shipped = sorted(p.name for p in out.iterdir())
-    assert len(shipped) <= 8 and "device.txt" in shipped and "head_dim-tail.log" in shipped, shipped
+    assert len(shipped) <= 8 and "device.txt" in shipped and "check-tail.log" in shipped, shipped
     assert [name for name in shipped if name.endswith(".tar.gz")] == [f"{run.name}.tar.gz"]
 
 
@@ -121,7 +122,7 @@ def test_a_layout_the_caller_set_skips_the_check(tmp_path, preset):
     other = "padded" if preset == "split" else "split"
     calls, run, _ = run_script(tmp_path, "--tower", other, preset=preset)
     assert calls[0].startswith("-c import torch, triton, transformers")
-    assert not any("bench.head_dim_check" in call for call in calls)
+    assert not any("qvl.kernels.check" in call for call in calls)
     assert all(call.endswith(f"| {preset}") for call in calls[1:]), calls
     last_line = (run / "device.txt").read_text().splitlines()[-1]
     assert (
@@ -159,12 +160,12 @@ def test_a_short_budget_cuts_the_first_step_before_the_later_ones_floors(tmp_pat
 def test_a_hanging_step_is_cut_and_the_later_steps_keep_their_floors(tmp_path):
     """The layout check hangs: its timeout ends it (the run goes on padded, no verdict), every later step still runs
     within the budget, and the tile sweep's own budget shrinks with its limit."""
-    calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=180, hang_on="bench.head_dim_check")
+    calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=180, hang_on="qvl.kernels.check")
     rows = phases(run)
     check = next(row for row in rows if row[0] == "head-dim layout check")
     assert check[2] <= 20, check
     assert (run / "device.txt").read_text().splitlines()[-1] == (
-        "attention head-dim layout: padded (bench.head_dim_check gave no verdict)"
+        "attention head-dim layout: padded (qvl check gave no verdict)"
     )
     assert not skipped(run)
     names = [step for step, _, _ in rows]
@@ -181,7 +182,7 @@ def test_no_budget_skips_every_step_and_says_so(tmp_path):
     calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=0)
     assert len(calls) == 1 and calls[0].startswith("-c import torch, triton, transformers")
     assert (run / "device.txt").read_text().splitlines()[-1] == (
-        "attention head-dim layout: padded (the budget left bench.head_dim_check no time)"
+        "attention head-dim layout: padded (the budget left qvl check no time)"
     )
     steps = [line.split()[1] for line in skipped(run)]
     assert steps[0] == "layout_check" and steps[-2:] == ["plots", "goals"] and len(steps) == 8, steps

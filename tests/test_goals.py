@@ -44,7 +44,7 @@ def test_the_committed_h200_run_against_issue_30(capsys):
     assert found["window 1344x1344 (144 segs): >= 1.5x varlen_attn"].measured == "0.421x"
     assert found["attention D 72 with rope, 8B S=16384: >= 420 TFLOP/s"].status == "not measured"
     assert found["attention D 64 (2B cases): >= 1.0x best peer"].status == "not measured"
-    assert found["head-dim tiling on the device (head_dim.json)"].status == "not measured"  # no check then
+    assert found["head-dim tiling on the device (check.json)"].status == "not measured"  # no check then
     assert capsys.readouterr().out.splitlines()[-1] == "0 met, 10 missed, 5 not measured"
 
 
@@ -171,20 +171,27 @@ def test_attention_goals_on_a_synthetic_run(tmp_path: Path):
 
 
 def test_head_dim_goals_read_the_layout_check(tmp_path: Path):
-    """bench/head_dim_check.py's JSON (as it writes it, NaN as a string): a head dim whose split rows all agree meets
-    the goal, one whose split check raised misses it."""
+    """qvl check's JSON (as it writes it): a head dim whose split rows all pass meets the goal, one with a failed row
+    misses it; without the split worker's verdict "right" (it crashed after its rows) none is met."""
+
+    def row(op, ratio, passed):
+        return {"op": op, "variant": "head_dim split", "cases": 6, "ratio": ratio, "passed": passed, "note": "",
+                "qvl_us": None, "torch_us": None}  # fmt: skip
+
     rows = [
-        {"head_dim": 72, "layout": "split", "errors": {"forward short": 3e-3}, "agrees": True},
-        {"head_dim": 72, "layout": "padded", "errors": {"forward short": 3e-3}, "agrees": True},
-        {"head_dim": 80, "layout": "split", "errors": {"raised": "nan"}, "agrees": False, "error": "RuntimeError: x"},
-        {"head_dim": 80, "layout": "padded", "errors": {"forward short": 2e-3}, "agrees": True},
+        row("vision_attn D72", 0.2, True),
+        row("vision_attn D72 rope backward", 0.4, True),
+        row("vision_attn D80", 3.5, False),
+        {**row("vision_attn D80", 0.1, True), "variant": "head_dim padded"},
     ]
-    (tmp_path / "head_dim.json").write_text(json.dumps({"rows": rows, "layout": "padded"}))
-    found = {v.goal: v for v in goals.verdicts(goals.Run(tmp_path), [30])}
-    d72 = found["head dim 72, split tiling: forward and backward agree with float64 on the device"]
-    d80 = found["head dim 80, split tiling: forward and backward agree with float64 on the device"]
-    assert (d72.measured, d72.status) == ("max rel err 3.0e-03", "met")
-    assert (d80.measured, d80.status) == ("raised", "missed")
+    for split_verdict, d72_met in (("right", True), ("wrong", False)):
+        verdicts = {"head_dim:split": {"verdict": split_verdict}}
+        (tmp_path / "check.json").write_text(json.dumps({"rows": rows, "verdicts": verdicts}))
+        found = {v.goal: v for v in goals.verdicts(goals.Run(tmp_path), [30])}
+        d72 = found["head dim 72, split tiling: forward and backward agree with float64 on the device"]
+        d80 = found["head dim 80, split tiling: forward and backward agree with float64 on the device"]
+        assert (d72.measured, d72.status) == ("worst error 0.40 of its bound", "met" if d72_met else "missed")
+        assert (d80.measured, d80.status) == ("worst error 3.50 of its bound", "missed")
 
 
 def test_not_a_folder_exits_2(tmp_path):

@@ -268,7 +268,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_encode(commands)
+    _add_check(commands)
     return parser
+
+
+def _add_check(commands) -> None:
+    # Listed here for qvl --help; main hands qvl check's arguments to qvl.kernels.check, which parses them.
+    commands.add_parser(
+        "check",
+        help="check qvl's kernels on this machine against float64 and record which faster variants are right here"
+        " (qvl check --help)",
+        add_help=False,
+    )
 
 
 def _check_encode_args(args: argparse.Namespace) -> None:
@@ -316,6 +327,14 @@ def _run_encode(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``qvl`` command; returns the exit status (argparse's own exits included)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"]:
+        from qvl.kernels.check import main as check_main
+
+        try:
+            return check_main(argv[1:])
+        except SystemExit as stop:
+            return int(stop.code or 0)
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)

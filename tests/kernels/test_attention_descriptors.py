@@ -159,7 +159,8 @@ def test_a_size_one_dim_with_an_unaligned_stride_takes_pointers():
 # --------------------------------------------------------------------------------------------------
 # The tile table
 # --------------------------------------------------------------------------------------------------
-def test_tile_keys_name_arch_dtype_head_dim_and_segment_class():
+def test_tile_keys_name_arch_dtype_head_dim_and_segment_class(use_head_dim_layout):
+    use_head_dim_layout("split")
     assert attention.tile_key(HOPPER, 72, torch.bfloat16, None) == "cuda:90/bfloat16/D72/long"
     assert attention.tile_key(HOPPER, 72, torch.bfloat16, 65) == "cuda:90/bfloat16/D72/long"
     assert attention.tile_key(ADA, 80, torch.float16, 64) == "cuda:89/float16/D80/short"
@@ -182,7 +183,8 @@ def test_packaged_table_is_well_formed():
         assert run["device"] and run["torch"] and run["triton"] and run["date"], key
 
 
-def test_launch_config_follows_a_table_entry(monkeypatch, fresh_attention_plans):
+def test_launch_config_follows_a_table_entry(monkeypatch, fresh_attention_plans, use_head_dim_layout):
+    use_head_dim_layout("split")
     entry = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DESCRIPTORS=True, ms=0.1, run=0)
     heuristic = attention.launch_config(72, torch.bfloat16, HOPPER)
     heuristic_fp16 = attention.launch_config(72, torch.float16, HOPPER)

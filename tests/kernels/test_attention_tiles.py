@@ -57,7 +57,8 @@ def test_launch_takes_the_hinted_tiles_and_the_same_grid_formula():
         assert launch.grid == (sum(lengths) // block_m + len(lengths), 3)
 
 
-def test_launch_work_counts_tiles_keys_and_padded_columns():
+def test_launch_work_counts_tiles_keys_and_padded_columns(use_head_dim_layout):
+    use_head_dim_layout("split")
     config = launch_config(72, torch.float16, HOPPER, 64)  # 64 x 64 tiles, D 72 as 64 + 16 columns
     work = launch_work(np.array([0, 64, 64, 65, 165]), config)
     # 64 tokens: one 64 x 64 tile; 0: none; 1: one 64-row tile over 64 keys; 100: two over 128 keys.
@@ -86,7 +87,7 @@ def test_window_layouts_execute_at_most_1_3_times_the_useful_work_with_the_hint(
     hinted = launch_work(cu, launch_config(80, torch.bfloat16, HOPPER, windows.max_window_seqlen))
     plain = launch_work(cu, launch_config(80, torch.bfloat16, HOPPER))
     # Rows and keys padded to tiles, over the head-dim tiles' columns (64 + 16 = 80: none extra) in both.
-    columns = head_dim_tiles(80).width / 80
+    columns = head_dim_tiles(80, target=HOPPER).width / 80
     assert hinted.ratio <= 1.3 * columns, hinted
     assert 1.9 * columns <= plain.ratio <= 2.5 * columns, plain  # 2 on whole windows; edge windows pad more
     assert hinted.busy_programs == plain.busy_programs == windows.num_windows  # one tile per window either way
@@ -94,7 +95,7 @@ def test_window_layouts_execute_at_most_1_3_times_the_useful_work_with_the_hint(
 
 def test_whole_windows_pad_only_the_head_dim_columns():
     cu = build_window_metadata([(1, 32, 32)]).cu_window_seqlens.numpy()
-    columns = head_dim_tiles(80).width / 80
+    columns = head_dim_tiles(80, target=HOPPER).width / 80
     assert launch_work(cu, launch_config(80, torch.bfloat16, HOPPER, 64)).ratio == columns
     assert launch_work(cu, launch_config(80, torch.bfloat16, HOPPER)).ratio == 2.0 * columns
 
