@@ -21,12 +21,10 @@ missing rounding step multiplies the error by far more than two).
 
 Why ``eps``: the rule alone breaks down when torch's error happens to be tiny, e.g. when torch computes
 the whole thing in float32 and rounds once, so that its error is at most half an ulp and may be zero at
-the element where the kernel differs. The kernel may legitimately lose one ulp more in the final
-rounding: Triton's interpreter rounds float32 -> bfloat16/float16 toward zero where torch and the GPU
-round to nearest (up to one ulp instead of half), and a different but equally valid accumulation order
-moves a result across a rounding boundary (another ulp). ``eps`` therefore defaults to
-``DEFAULT_ULPS = 2`` units of ``torch.finfo(dtype).eps`` (the dtype's relative resolution: the spacing
-of numbers in [1, 2)) scaled by ``max|truth|``, the output's scale. ``finfo.eps * |x|`` is between one
+the element where the kernel differs. The kernel may legitimately lose an ulp or two more in the final
+rounding: a different but equally valid accumulation order moves a result across a rounding boundary.
+``eps`` therefore defaults to ``DEFAULT_ULPS = 2`` units of ``torch.finfo(dtype).eps`` (the dtype's relative
+resolution: the spacing of numbers in [1, 2)) scaled by ``max|truth|``, the output's scale. ``finfo.eps * |x|`` is between one
 and two ulp of ``x``, so the default is two to four ulp at the largest output: a few ulp, and never more
 than the dtype's resolution can explain. Errors are measured in absolute terms at the output's scale
 (not elementwise relative), because a value near zero computed from large terms carries the rounding of

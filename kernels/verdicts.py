@@ -101,7 +101,7 @@ UNVERIFIED_WITHOUT_ALTERNATIVE = {
     "rope table": "the fused rotary's cos/sin scratch table, written by the kernel rotating k, read as q loads",
     "half-head rotary": "the rotary kernel's half-head tiles (a dim and its partner from one load each)",
     "launch plans": "attention launches built once per shape, strides and alignment and looked up after",
-    "CUDA graphs": "the tower runner's captured graphs (opt-in: TowerRunner.capture, the engines' encoder graphs)",
+    "CUDA graphs": "the tower runner's captured graphs (TowerRunner.capture; vLLM's V2 runner's encoder graphs)",
 }
 
 

@@ -13,11 +13,12 @@ tokens, 16-bit head dims up to 128 take 64-row query tiles instead of 128-row on
 one tile rather than half of one (:func:`launch_work` counts the matmul work a launch executes). The program
 mapping is the same for every tile, so a hint smaller than a real segment is still correct, only slower.
 
-Head dims that are not a power of two run as a power-of-two main tile and a narrower tail tile flush with the
-head's end (72 = 64 + the columns 56..71), so the dot products do 80/72 of the needed work at D 72 and none extra
-at D 80; :func:`head_dim_tiles` says how and why no load needs a column mask. ``QVL_ATTENTION_HEAD_DIM=padded`` (or
-:func:`set_head_dim_layout`) takes one padded power-of-two tile instead, the layout that ran right on an H200 before
-the split one existed: a device run falls back to it where the split tiling is wrong (``bench/head_dim_check.py``).
+Head dims that are not a power of two are tiled in one of three layouts (:func:`head_dim_tiles`): ``padded``, one
+power-of-two tile (D 72 and 80 as 128 columns: the layout that ran right on an H200), ``split``, a power-of-two main
+tile and a narrower tail flush with the head's end (80/72 of the needed work at D 72, none extra at D 80), and
+``split32`` (a tail of at least 32 columns). A GPU takes a split layout only where a device verdict says it ran
+right there (:mod:`qvl.kernels.verdicts`; ``qvl check`` verifies a machine), padded otherwise; Triton's interpreter
+takes split. ``QVL_ATTENTION_HEAD_DIM`` or :func:`set_head_dim_layout` set one outright.
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale).
 

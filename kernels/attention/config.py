@@ -170,7 +170,7 @@ def head_dim_tiles(head_dim: int, layout: str | None = None, target: GPUTarget |
     FlashAttention-3's 96-wide tile), 80 = 64 + ``[48, 80)`` (1.2x). Its dots over the tail have N = 32 where
     split's have N = 16, a different shape of the Hopper MMA instruction and its shared-memory operand (a 64-byte
     swizzle instead of a 32-byte one), so that a device run on which the 16-wide tail computes wrong results can
-    tell whether the 32-wide one does too (``bench.head_dim_check`` checks split, then split32, then takes padded).
+    tell whether the 32-wide one does too (``qvl check`` checks each, :mod:`qvl.kernels.check`).
     ``"padded"``: one tile of the next power of two, its columns past the head masked (the layout every Qwen head
     dim ran correctly on an H200, at 1.78x the useful work at D 72).
 
@@ -179,8 +179,9 @@ def head_dim_tiles(head_dim: int, layout: str | None = None, target: GPUTarget |
     of each dot that sums over the head dim, and store only the tail's columns past the main tile. (The
     16-wide tail the kernels had before, columns ``[64, 80)`` masked to ``< 72``, computed wrong results on an
     H200 with Triton 3.6 wherever a segment ended inside a key block, though the same kernels were right in
-    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. The split layouts
-    have not run on a GPU yet; the padded one is the fallback a device run takes where they are wrong.)"""
+    Triton's interpreter with the inputs inside NaN guard bands: bench/results/diag-20261204/. At D 80 today's split
+    kernel compiles to the same PTX instructions as that one, so the cause is unknown: the split layouts have not run
+    on a GPU yet, and a GPU takes them only with a device verdict, :mod:`qvl.kernels.verdicts`.)"""
     if head_dim <= 16:
         return HeadDimTiles(16, 0)
     main = next_power_of_2(head_dim)
