@@ -24,8 +24,8 @@ the whole thing in float32 and rounds once, so that its error is at most half an
 the element where the kernel differs. The kernel may legitimately lose an ulp or two more in the final
 rounding: a different but equally valid accumulation order moves a result across a rounding boundary.
 ``eps`` therefore defaults to ``DEFAULT_ULPS = 2`` units of ``torch.finfo(dtype).eps`` (the dtype's relative
-resolution: the spacing of numbers in [1, 2)) scaled by ``max|truth|``, the output's scale. ``finfo.eps * |x|`` is between one
-and two ulp of ``x``, so the default is two to four ulp at the largest output: a few ulp, and never more
+resolution: the spacing of numbers in [1, 2)) scaled by ``max|truth|``, the output's scale.
+``finfo.eps * |x|`` is between one and two ulp of ``x``, so the default is two to four ulp at the largest output: a few ulp, and never more
 than the dtype's resolution can explain. Errors are measured in absolute terms at the output's scale
 (not elementwise relative), because a value near zero computed from large terms carries the rounding of
 those terms, not of itself. Parts of a result whose scales differ by orders of magnitude (saturated GELU
