@@ -19,18 +19,17 @@ independent draws of the same size. Twice the reference error leaves room for th
 failing a kernel that is systematically worse (a wrong accumulation dtype, a lost compensation, a
 missing rounding step multiplies the error by far more than two).
 
-Why ``eps``: the rule alone breaks down when torch's error happens to be tiny, e.g. when torch computes
-the whole thing in float32 and rounds once, so that its error is at most half an ulp and may be zero at
-the element where the kernel differs. The kernel may legitimately lose an ulp or two more in the final
-rounding: a different but equally valid accumulation order moves a result across a rounding boundary.
-``eps`` therefore defaults to ``DEFAULT_ULPS = 2`` units of ``torch.finfo(dtype).eps`` (the dtype's relative
-resolution: the spacing of numbers in [1, 2)) scaled by ``max|truth|``, the output's scale.
-``finfo.eps * |x|`` is between one and two ulp of ``x``, so the default is two to four ulp at the largest output: a few ulp, and never more
-than the dtype's resolution can explain. Errors are measured in absolute terms at the output's scale
-(not elementwise relative), because a value near zero computed from large terms carries the rounding of
-those terms, not of itself. Parts of a result whose scales differ by orders of magnitude (saturated GELU
-inputs of 1e4 next to values of order 1, attention's segments: a one-token segment's output is its value
-row) are compared apart, so that each part's eps and torch's error follow its own scale.
+Why ``eps``: the rule alone breaks down when torch's error happens to be tiny, e.g. when torch computes the whole
+thing in float32 and rounds once, so that its error is at most half an ulp and may be zero at the element where the
+kernel differs. The kernel may legitimately lose an ulp or two more in the final rounding: a different but equally
+valid accumulation order moves a result across a rounding boundary. ``eps`` therefore defaults to ``DEFAULT_ULPS =
+2`` units of ``torch.finfo(dtype).eps`` (the dtype's relative resolution: the spacing of numbers in [1, 2)) scaled
+by ``max|truth|``, the output's scale. ``finfo.eps * |x|`` is between one and two ulp of ``x``, so the default is
+two to four ulp at the largest output: a few ulp, and never more than the dtype's resolution can explain. Errors are
+measured in absolute terms at the output's scale (not elementwise relative), because a value near zero computed from
+large terms carries the rounding of those terms, not of itself. Parts of a result whose scales differ by orders of
+magnitude (saturated GELU inputs of 1e4 next to values of order 1, attention's segments: a one-token segment's
+output is its value row) are compared apart, so that each part's eps and torch's error follow its own scale.
 
 Roundings that the algorithm under test makes in a wider dtype than its output (an online softmax keeps its
 running max, sum and accumulator in fp32) are counted at that dtype's resolution, not the output's: ``eps``
