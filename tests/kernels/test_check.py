@@ -135,3 +135,12 @@ def test_bad_options_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         check.main(argv)
     assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_the_launch_worker_compares_both_launch_paths_bit_for_bit(tmp_path):
+    """Through the interpreter both paths are Triton's own launch: the worker's calls run and agree."""
+    env = {**user_environment(tmp_path), "TRITON_INTERPRET": "1", "QVL_ATTENTION_HEAD_DIM": "padded"}
+    outcome = check.run_worker([sys.executable, "-m", "qvl.kernels.check", "--worker", "launch"], env, 300)
+    assert outcome.failure is None
+    assert [row.op for row in outcome.rows] == ["vision_attn D72 rope", "vision_attn D80 rope"]
+    assert all(row.passed and row.variant == "launch fast" for row in outcome.rows)
