@@ -144,3 +144,22 @@ def test_the_launch_worker_compares_both_launch_paths_bit_for_bit(tmp_path):
     assert outcome.failure is None
     assert [row.op for row in outcome.rows] == ["vision_attn D72 rope", "vision_attn D80 rope"]
     assert all(row.passed and row.variant == "launch fast" for row in outcome.rows)
+
+
+SANITIZER = """#!/usr/bin/env bash
+if [ "$QVL_ATTENTION_HEAD_DIM" = split32 ]; then echo "========= ERROR SUMMARY: 2 errors"; exit 9; fi
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+def test_memcheck_errors_make_a_layout_wrong(tmp_path):
+    """Each candidate layout under compute-sanitizer at once (a stand-in here): errors are that layout's verdict."""
+    sanitizer = tmp_path / "compute-sanitizer"
+    sanitizer.write_text(SANITIZER)
+    sanitizer.chmod(0o755)
+    found = check._memchecks(str(sanitizer), ["split", "split32"], [72], dict(os.environ), 30, ["python"])
+    assert found == {"head_dim:split": None, "head_dim:split32": "========= ERROR SUMMARY: 2 errors"}
+    right = check.Outcome([check.Row("a", "head_dim split", 1, 0.2, True)], None)
+    verdicts_found = check.verdicts_from({"head_dim:split": right, "head_dim:split32": right}, found)
+    assert verdicts_found["head_dim:split"]["verdict"] == "right"
+    assert verdicts_found["head_dim:split32"]["verdict"] == "wrong"
