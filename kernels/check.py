@@ -419,6 +419,10 @@ def run_check(
     rows = [row for outcome in outcomes.values() for row in outcome.rows]
     found = verdicts_from(outcomes, memchecks)
     out(_table(rows, outcomes, found))
+    out(
+        "on every GPU, with no alternative in the package (exercised by the checks above): "
+        + "; ".join(f"{name} ({about})" for name, about in verdicts.UNVERIFIED_WITHOUT_ALTERNATIVE.items())
+    )
     # The conservative layout's worker also ran every other op: what the package takes where nothing is verified.
     defaults_right = found["head_dim:padded"]["verdict"] == "right"
     if on_gpu:

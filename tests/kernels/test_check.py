@@ -36,6 +36,7 @@ def test_qvl_check_on_a_cpu_runs_every_op_and_records_nothing(tmp_path):
     for op in ("bias_gelu tanh", "add_layer_norm", "rms_norm", "bias_swiglu", "rotary_2d", "pos_embed_interp"):
         assert any(line.startswith(op) and "right" in line for line in lines), op
     assert "nothing recorded; GPU verdicts need a GPU" in result.stdout
+    assert "with no alternative in the package" in result.stdout and "rope table" in result.stdout
     assert not (tmp_path / "cache").exists()
     assert (tmp_path / "check.json").stat().st_size > 0
 
