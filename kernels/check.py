@@ -154,7 +154,7 @@ def _attention_rows(layout: str, head_dims: Sequence[int], names: Sequence[str],
                 yield Row(name, f"head_dim {layout}", len(cases), ratio, passed, note, *times)
 
 
-def _time_us(call: Callable[[], object], device) -> float:
+def _time_us(call: Callable[[], object]) -> float:
     """Median microseconds per call on a CUDA device (events around each of 20 calls after 3 warm-ups)."""
     import torch
 
@@ -191,7 +191,7 @@ def _attention_timing(head_dim: int, rope: bool, device) -> tuple[float | None, 
         heads = [x.transpose(0, 1)[None] for x in (*rotated, v)]
         return F.scaled_dot_product_attention(*heads)
 
-    return _time_us(qvl_call, device), _time_us(torch_call, device)
+    return _time_us(qvl_call), _time_us(torch_call)
 
 
 def _op_rows(timed: bool) -> Iterable[Row]:
@@ -202,7 +202,7 @@ def _op_rows(timed: bool) -> Iterable[Row]:
     device, small = _device_and_size()
     for case in OP_CASES:
         ratio, passed, note = _worst(case.check(device, torch.bfloat16, small))
-        times = tuple(_time_us(call, device) for call in case.timed(device, torch.bfloat16)) if timed else (None, None)
+        times = tuple(_time_us(call) for call in case.timed(device, torch.bfloat16)) if timed else (None, None)
         yield Row(case.op, "-", 1, ratio, passed, note, *times)
 
 
