@@ -48,6 +48,7 @@ __all__ = [
     "Machine",
     "cache_dir",
     "decision",
+    "generation",
     "machine_of",
     "machine_verdicts",
     "packaged_verdicts",
@@ -290,7 +291,17 @@ def _decide(choice: Choice, target: GPUTarget, device_index: int | None) -> Deci
     )
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """How many times :func:`reset` ran: callers that keep decisions key them on it."""
+    return _generation
+
+
 def reset() -> None:
     """Forget the decisions made (after the verdicts changed: a test, ``qvl check``)."""
+    global _generation
+    _generation += 1
     _resolved.clear()
     packaged_verdicts.cache_clear()

@@ -123,7 +123,15 @@ def head_dim_layout(target: GPUTarget | None = None) -> str:
     if _head_dim_layout is not None:
         return _head_dim_layout
     target = target or _default_target()
-    return verdicts.decision("head_dim", target, _live_device(target)).variant
+    # Every launch configuration asks: decided once per target (and per set of verdicts: tests reset them).
+    key = (target, verdicts.generation())
+    layout = _default_layouts.get(key)
+    if layout is None:
+        layout = _default_layouts[key] = verdicts.decision("head_dim", target, _live_device(target)).variant
+    return layout
+
+
+_default_layouts: dict[tuple[GPUTarget, int], str] = {}
 
 
 def _live_device(target: GPUTarget) -> int | None:
