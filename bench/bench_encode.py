@@ -1,0 +1,412 @@
+"""``qvl encode`` against transformers: preparation alone, and 16 photos end to end.
+
+    python -m bench.bench_encode [--threads 1] [--repeats 5] [--sizes NAME=WxH ...] [--video-seconds 30]
+                                 [--photos 16] [--photo-size 1920x1080] [--towers tiny demo] [--rounds 3]
+                                 [--json PATH]
+
+**Preparation** (:func:`preparation_rows`): one photo (decoded pixels in, pixel values out; no decoding, no tower) at
+1920x1080 and 4000x3000, with the Qwen3-VL checkpoints' processor settings (a 1920x1080 photo keeps its size: 68x120
+patches), by
+
+* ``qvl``: :class:`qvl.vit.encode.prepare.Preparer` on the CPU (torch), transformers' rows (each patch written once per
+  temporal slot);
+* ``qvl folded``: the same with ``fold_images``, each patch written once (the rows ``qvl encode`` gives the towers'
+  folded patch embedding);
+* ``transformers PIL``: ``Qwen2VLImageProcessorPil`` given the decoded PIL image (what ``qvl encode`` ran before);
+* ``transformers torchvision``: ``Qwen2VLImageProcessor`` given the pixel array, where torchvision imports.
+
+and (:func:`video_rows`) the frames Qwen3-VL samples from a ``--video-seconds`` 30 fps 1280x720 video (2 a second: 60
+for 30 s), decoded, by ``qvl`` (``Preparer.video``) and ``transformers torchvision`` (``Qwen3VLVideoProcessor``, given
+the frame array with its sampling off). torch runs on ``--threads`` threads (1: the time per core; transformers' PIL
+path is single-threaded whatever the setting). Each implementation runs once to warm up, then ``--repeats`` times;
+the median is reported, with its speed-up over the PIL processor (photos) or transformers' video processor.
+
+**End to end** (:func:`end_to_end_rows`): ``--photos`` JPEG photos of ``--photo-size`` in a folder, and a checkpoint
+directory (random weights; Qwen3-VL's preprocessor_config.json) per ``--towers`` shape: ``tiny`` (depth 2, hidden 64,
+2 heads: the pipeline's cost, the tower's small beside it) and ``demo`` (``qvl encode``'s embedded tower, depth 4,
+hidden 256: a 1920x1080 photo's 8,160-token attention dominates). ``qvl encode``: ``python -m qvl.vit encode FOLDER
+--model DIR -o OUT`` on the torch path, timed from process start to exit (imports, loading, decoding in its worker,
+writing the shards all included). transformers, in this process with the tower already built (its import and load not
+timed): per photo, ``Image.open``, the processor (PIL, then torchvision backend) and ``Qwen3VLVisionModel`` (SDPA) on
+the same weights under ``torch.inference_mode``, on torch's default threads as ``qvl encode``. They take turns for
+``--rounds`` rounds, each keeping its best time. Each row's ``qvl speed-up`` is its time over ``qvl encode``'s;
+``max rel err`` is its first photo's merged features against qvl's; ``qvl encode``'s own count of its encoding (from
+its first input to its last write) and where that time went are printed below the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PHOTO_SIZES = {"1920x1080": (1080, 1920), "4000x3000": (3000, 4000)}
+
+
+def synthetic_photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A photo-like ``(height, width, 3)`` uint8 image: smooth colour gradients with sensor-like noise (resampling
+    costs the same for any content; this keeps the values in a photo's range)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    channels = [127 + 100 * np.sin(x / (97 + 31 * c) + y / (131 + 17 * c) + c) for c in range(3)]
+    image = np.stack(channels, axis=-1) + rng.normal(0, 6, (height, width, 3)).astype(np.float32)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _qwen3_vl_processing(image: dict | None = None):
+    """qvl's preparation of a Qwen3-VL checkpoint whose preprocessor_config.json is ``image`` (None: none, transformers'
+    defaults)."""
+    from qvl.vit import families
+
+    family = next(f for f in families.FAMILIES if f.name == "Qwen3-VL")
+    return family.processing.for_checkpoint(family.config_class.from_dict({}, **family.config_options), image)
+
+
+def _image_processor_options(processing) -> dict:
+    """transformers' image processor arguments of ``processing``."""
+    return dict(
+        patch_size=processing.patch_size,
+        temporal_patch_size=processing.temporal_patch_size,
+        merge_size=processing.merge_size,
+        image_mean=list(processing.image_mean),
+        image_std=list(processing.image_std),
+        min_pixels=processing.min_pixels,
+        max_pixels=processing.max_pixels,
+    )
+
+
+def _torchvision_image_processor(options: dict):
+    """transformers' torchvision-backed image processor, or None where torchvision does not import."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor(**options)
+    except (ImportError, RuntimeError):  # no torchvision, or one built for another torch
+        return None
+
+
+def _implementations(photo: np.ndarray) -> dict[str, Callable[[], object]]:
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from qvl.vit.encode.prepare import Preparer
+
+    processing = _qwen3_vl_processing()
+    options = _image_processor_options(processing)
+    preparer, pixels = Preparer(processing, "cpu"), torch.from_numpy(photo)
+    folding = Preparer(processing, "cpu", fold_images=True)
+    pil_processor, pil_image = Qwen2VLImageProcessorPil(**options), Image.fromarray(photo)
+    runs = {
+        "qvl": lambda: preparer.image(pixels),
+        "qvl folded": lambda: folding.image(pixels),
+        "transformers PIL": lambda: pil_processor(images=[pil_image], return_tensors="pt"),
+    }
+    torchvision_processor = _torchvision_image_processor(options)
+    if torchvision_processor is not None:
+        runs["transformers torchvision"] = lambda: torchvision_processor(images=[photo], return_tensors="pt")
+    return runs
+
+
+def _timed_rows(cases: dict[str, dict[str, Callable[[], object]]], baseline: str, threads: int, repeats: int):
+    """Rows of ``size``, ``implementation``, ``threads``, ``median_ms`` and ``speedup`` (``baseline``'s median over
+    this one's) for each case's implementations, torch on ``threads`` threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for name, runs in cases.items():
+            medians = {implementation: _median_seconds(run, repeats) for implementation, run in runs.items()}
+            for implementation, seconds in medians.items():
+                rows.append(
+                    dict(
+                        size=name,
+                        implementation=implementation,
+                        threads=threads,
+                        median_ms=seconds * 1e3,
+                        speedup=medians[baseline] / seconds,
+                    )
+                )
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
+def preparation_rows(threads: int = 1, repeats: int = 5, sizes: dict[str, tuple[int, int]] = PHOTO_SIZES) -> list[dict]:
+    """The preparation of one photo of each of ``sizes`` (name: (height, width)) by each implementation (see the module
+    docstring), torch on ``threads`` threads; ``speedup`` is over transformers' PIL processor."""
+    cases = {name: _implementations(synthetic_photo(height, width)) for name, (height, width) in sizes.items()}
+    return _timed_rows(cases, "transformers PIL", threads, repeats)
+
+
+def video_rows(threads: int = 1, repeats: int = 3, seconds: float = 30, frame_size: tuple[int, int] = (720, 1280)):
+    """The preparation of the frames Qwen3-VL samples from a ``seconds`` long 30 fps video of ``frame_size`` (height,
+    width), decoded: by qvl and by transformers' video processor; ``speedup`` is over the latter. Empty where
+    torchvision (which the video processor needs) does not import."""
+    from qvl.vit.encode.prepare import Preparer
+
+    processing = _qwen3_vl_processing()
+    try:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        options = _image_processor_options(processing) | dict(min_pixels=None, max_pixels=None)
+        size = {"shortest_edge": processing.video_min_pixels, "longest_edge": processing.video_max_pixels}
+        options = {k: v for k, v in options.items() if v is not None} | dict(size=size)
+        processor = Qwen3VLVideoProcessor(**options, cap_pixels_per_frame=processing.cap_pixels_per_frame)
+    except (ImportError, RuntimeError):
+        return []
+    total = round(seconds * 30)
+    indices = processing.sample(total, 30.0, processing.fps, processing.max_frames)
+    frames = np.stack([synthetic_photo(*frame_size, seed) for seed in range(len(indices))])
+    preparer = Preparer(processing, "cpu")
+    expected = processor(videos=[frames], do_sample_frames=False, return_tensors="pt")["video_grid_thw"][0].tolist()
+    _, grid = preparer.video(torch.from_numpy(frames))
+    if grid != expected:
+        raise AssertionError(f"qvl's video grid {grid} is not transformers' {expected}")
+    name = f"{seconds:g} s {frame_size[1]}x{frame_size[0]} ({len(indices)} frames)"
+    runs = {
+        "qvl": lambda: preparer.video(torch.from_numpy(frames)),
+        "transformers torchvision": lambda: processor(videos=[frames], do_sample_frames=False, return_tensors="pt"),
+    }
+    return _timed_rows({name: runs}, "transformers torchvision", threads, repeats)
+
+
+# The end-to-end towers (module docstring): the test suite's tiny tower, and qvl encode's embedded demo tower.
+E2E_TOWERS = {
+    "tiny": dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=96,
+                 deepstack_visual_indexes=(0,), num_position_embeddings=64),
+    "demo": dict(depth=4, hidden_size=256, num_heads=4, intermediate_size=1024, out_hidden_size=512,
+                 deepstack_visual_indexes=(1, 3), num_position_embeddings=2304),
+}  # fmt: skip
+# Qwen3-VL's preprocessor_config.json (its image processor's settings).
+QWEN3_VL_PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def _checkpoint(directory: Path, tower: str):
+    """A random-weight checkpoint of ``E2E_TOWERS[tower]`` with Qwen3-VL's preprocessor config in ``directory``, and
+    transformers' tower with the same weights."""
+    from qvl.vit import VisionConfig, VisionTransformer
+    from qvl.vit.checkpoint import save_vision_checkpoint
+
+    from . import harness
+    from .bench_tower import hf_tower
+    from .workloads import randomize
+
+    config = VisionConfig(**E2E_TOWERS[tower])
+    reference = randomize(hf_tower(config, harness.get_device("cpu"), torch.float32, "sdpa"))
+    directory.mkdir(parents=True)
+    state = VisionTransformer.from_hf(reference).state_dict()
+    save_vision_checkpoint(directory, dataclasses.asdict(config), state)
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PREPROCESSOR))
+    return reference
+
+
+def _qvl_features(folder: Path, number: int) -> torch.Tensor:
+    """Input ``number``'s merged features in a ``qvl encode`` output folder."""
+    from safetensors import safe_open
+
+    entries = [json.loads(line) for line in (folder / "index.jsonl").read_text().splitlines()]
+    with safe_open(str(folder / entries[number]["shard"]), framework="pt") as handle:
+        return handle.get_tensor(f"image.{number}.merged")
+
+
+def end_to_end_rows(
+    photos: int = 16,
+    size: tuple[int, int] = (1080, 1920),
+    towers: Sequence[str] = ("tiny",),
+    rounds: int = 3,
+    root: Path | None = None,
+) -> list[dict]:
+    """``photos`` photos of ``size`` (height, width) through ``qvl encode`` and through transformers' processors and
+    tower, per tower shape of ``towers`` (see the module docstring), in ``rounds`` rounds of turns, each keeping its
+    best time (the machine's other load hits them alike): rows of ``tower``, ``implementation``, ``seconds``,
+    ``images_per_s``, ``qvl_speedup`` and ``max_rel_err``; ``qvl encode``'s row also has ``encoding_s`` (its own
+    count, from its first input to its last write: the process's start and the tower's load left out) and its
+    ``split`` of that time. Files go under ``root`` (default: a temporary folder)."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from .harness import max_rel_err
+
+    with contextlib.ExitStack() as stack:
+        root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-")))
+        folder = root / "photos"
+        folder.mkdir(parents=True)
+        paths = [folder / f"{number:03d}.jpg" for number in range(photos)]
+        for number, path in enumerate(paths):
+            Image.fromarray(synthetic_photo(*size, seed=number)).save(path, quality=90)
+        options = _image_processor_options(_qwen3_vl_processing(QWEN3_VL_PREPROCESSOR))
+        processors = {"transformers PIL": Qwen2VLImageProcessorPil(**options)}
+        torchvision_processor = _torchvision_image_processor(options)
+        if torchvision_processor is not None:
+            processors["transformers torchvision"] = torchvision_processor
+        rows = []
+        for tower in towers:
+            model = _checkpoint(root / tower, tower)
+            outputs = iter(root / f"{tower}-features-{run}" for run in range(rounds))
+
+            def qvl_encode(tower=tower, outputs=outputs) -> tuple[float, dict]:
+                output = next(outputs)
+                command = [sys.executable, "-m", "qvl.vit", "encode", str(folder), "--model", str(root / tower)]
+                start = time.perf_counter()
+                result = subprocess.run(
+                    [*command, "-o", str(output)], env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True,
+                    text=True,
+                )  # fmt: skip
+                seconds = time.perf_counter() - start
+                if result.returncode != 0:
+                    raise RuntimeError(f"qvl encode failed ({result.returncode}): {result.stderr[-2000:]}")
+                lines = result.stderr.splitlines()
+                encoded = next(line for line in lines if line.startswith("qvl: encoded "))
+                split = next(line for line in lines if line.startswith("qvl: time: "))
+                encoding_s = float(encoded.split(" in ", 1)[1].split(" s,", 1)[0])
+                return seconds, dict(encoding_s=encoding_s, split=split[5:], features=_qvl_features(output, 0))
+
+            def transformers_run(processor, model=model) -> tuple[float, dict]:
+                first = None
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    for path in paths:
+                        batch = processor(images=[Image.open(path)], return_tensors="pt")
+                        merged = model(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+                        first = merged if first is None else first
+                return time.perf_counter() - start, dict(features=first)
+
+            runs = {"qvl encode": qvl_encode}
+            runs |= {name: functools.partial(transformers_run, processor) for name, processor in processors.items()}
+            best: dict[str, tuple[float, dict]] = {}
+            for _ in range(rounds):
+                for name, run in runs.items():
+                    seconds, facts = run()
+                    if name not in best or seconds < best[name][0]:
+                        best[name] = seconds, facts
+            qvl_seconds, reference = best["qvl encode"][0], best["qvl encode"][1]["features"]
+            for name, (seconds, facts) in best.items():
+                features = facts.pop("features")
+                row = dict(tower=tower, implementation=name, seconds=seconds, images_per_s=photos / seconds)
+                row |= dict(qvl_speedup=seconds / qvl_seconds, **facts)
+                if name != "qvl encode":
+                    row["max_rel_err"] = max_rel_err(features, reference)
+                rows.append(row)
+        return rows
+
+
+def format_rows(rows: Sequence[dict], baseline: str) -> str:
+    lines = [f"{'input':<28} {'implementation':<26} {'threads':>7} {'median ms':>10} {'vs ' + baseline:>10}"]
+    for row in rows:
+        lines.append(
+            f"{row['size']:<28} {row['implementation']:<26} {row['threads']:>7} {row['median_ms']:>10.1f}"
+            f" {row['speedup']:>9.1f}x"
+        )
+    return "\n".join(lines)
+
+
+def format_end_to_end(rows: Sequence[dict]) -> str:
+    lines = [
+        f"{'tower':<6} {'implementation':<26} {'seconds':>8} {'images/s':>9} {'qvl speed-up':>13} {'max rel err':>12}"
+    ]
+    for row in rows:
+        error = f"{row['max_rel_err']:.1e}" if "max_rel_err" in row else "-"
+        lines.append(
+            f"{row['tower']:<6} {row['implementation']:<26} {row['seconds']:>8.2f} {row['images_per_s']:>9.2f}"
+            f" {row['qvl_speedup']:>12.2f}x {error:>12}"
+        )
+    lines += [f"{row['tower']}: qvl encode's own count {row['encoding_s']:.2f} s, {row['split']}"
+              for row in rows if "split" in row]  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_facts() -> dict:
+    """When, where and on what this ran: date, CPU, cores, versions and the checkout's commit."""
+    import transformers
+
+    from . import harness
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        cpu=harness.cpu_name(),
+        cores=cores,
+        transformers=transformers.__version__,
+        **harness._versions(),
+    )
+
+
+def _size(text: str) -> tuple[int, int]:
+    width, height = (int(n) for n in text.split("x"))
+    return height, width
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_encode",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the preparation rows (default: 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per preparation (default: 5)")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="NAME=WxH",
+        help="photo sizes (default: " + " ".join(f"{name}={w}x{h}" for name, (h, w) in PHOTO_SIZES.items()) + ")",
+    )
+    parser.add_argument("--video-seconds", type=float, default=30, help="video length; 0: no video (default: 30)")
+    parser.add_argument("--photos", type=int, default=16, help="photos end to end; 0: none (default: 16)")
+    parser.add_argument("--photo-size", type=_size, default=(1080, 1920), metavar="WxH", help="(default: 1920x1080)")
+    parser.add_argument("--towers", nargs="+", choices=sorted(E2E_TOWERS), default=["tiny"], help="(default: tiny)")
+    parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds, best kept (default: 3)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and the run's facts as JSON")
+    args = parser.parse_args(argv)
+    sizes = PHOTO_SIZES
+    if args.sizes:
+        sizes = {}
+        for item in args.sizes:
+            name, _, shape = item.partition("=")
+            sizes[name] = _size(shape)
+    results = dict(facts=run_facts(), preparation=preparation_rows(args.threads, args.repeats, sizes))
+    print(format_rows(results["preparation"], "PIL"))
+    if args.video_seconds > 0:
+        results["video"] = video_rows(args.threads, args.repeats, args.video_seconds)
+        print(format_rows(results["video"], "transformers"))
+    if args.photos > 0:
+        results["end_to_end"] = end_to_end_rows(args.photos, args.photo_size, args.towers, args.rounds)
+        print(format_end_to_end(results["end_to_end"]))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(results, file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
