@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 
 import qvl.kernels  # noqa: F401 - registers torch.ops.qvl
-from qvl.kernels.attention import head_dim_tiles, launch_config, launch_work
+from qvl.kernels.attention import head_dim_layout, head_dim_tiles, launch_config, launch_work
 from qvl.kernels.common import HOPPER, device_target
 from qvl.vit.metadata import WindowMetadata, build_window_metadata
 
@@ -196,7 +196,8 @@ def work_table(dtype: torch.dtype = torch.bfloat16) -> str:
     lines = [header, tuple("-" * w for w in widths), *rows]
     title = (
         f"vision_attn executed / useful matmul work per launch (qvl.kernels.attention.launch_work): Qwen2.5-VL "
-        f"H {QWEN2_5.num_heads}, D {QWEN2_5.head_dim} (tiles {head_dim_tiles(QWEN2_5.head_dim).width} columns wide), "
+        f"H {QWEN2_5.num_heads}, D {QWEN2_5.head_dim} (the {head_dim_layout(HOPPER)} layout: tiles "
+        f"{head_dim_tiles(QWEN2_5.head_dim, target=HOPPER).width} columns wide), "
         f"{str(dtype).removeprefix('torch.')}, sm_90 launch config; counted on the host, no kernel runs"
     )
     return "\n".join([title, ""] + ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines])

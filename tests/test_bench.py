@@ -35,6 +35,7 @@ from bench import (  # noqa: E402
 from bench.workloads import label  # noqa: E402
 from qvl.kernels import direct  # noqa: E402
 from qvl.kernels.attention import head_dim_tiles  # noqa: E402
+from qvl.kernels.common import HOPPER  # noqa: E402
 
 CPU = harness.get_device("cpu")
 
@@ -428,8 +429,8 @@ def test_window_hint_keeps_executed_work_near_useful(dtype) -> None:
         assert max(window.seqlens) == 64
         hinted, plain = bench_window.executed_work(window, dtype)
         assert hinted.hint == 64 and plain.hint is None
-        # Rows and keys padded to tiles, times the head-dim tiles' columns (64 + 16 = 80: none extra).
-        columns = head_dim_tiles(80).width / 80
+        # Rows and keys padded to tiles, times the head-dim tiles' columns of sm_90's layout (padded: 128 / 80).
+        columns = head_dim_tiles(80, target=HOPPER).width / 80
         assert hinted.ratio <= 1.3 * columns, hinted
         assert 1.9 * columns <= plain.ratio <= 2.4 * columns, plain  # 128-row tiles half empty; edge windows more
         if all(h % 8 == 0 and w % 8 == 0 for _, h, w in layout.grid_thw):  # whole windows only
@@ -447,9 +448,12 @@ def test_window_work_table_prints_without_running_kernels(capsys: pytest.Capture
         for window in (True, False):
             name = bench_window.Case(layout, window).name
             assert len(re.findall(rf"^{re.escape(name)}\s", out, re.MULTILINE)) == 2  # with and without the hint
-    # D 80 runs 64 + 16 columns wide (head_dim_tiles): whole windows execute the useful work hinted, 2x without.
-    assert re.search(r"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+64\s+64x64\s.*\s1\.000$", out, re.MULTILINE)
-    assert re.search(r"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+none\s+128x64\s.*\s2\.000$", out, re.MULTILINE)
+    # D 80 runs as wide as sm_90's layout tiles it (head_dim_tiles): whole windows execute the useful work times the
+    # columns hinted, twice that without.
+    columns = head_dim_tiles(80, target=HOPPER).width / 80
+    hinted, plain = re.escape(f"{columns:.3f}"), re.escape(f"{2 * columns:.3f}")
+    assert re.search(rf"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+64\s+64x64\s.*\s{hinted}$", out, re.MULTILINE)
+    assert re.search(rf"^window 1344x1344 \(144 segs\)\s+9216\s+64\s+none\s+128x64\s.*\s{plain}$", out, re.MULTILINE)
 
 
 def test_run_all_only_selects_and_validates(capsys: pytest.CaptureFixture) -> None:
