@@ -35,11 +35,13 @@ Roundings that the algorithm under test makes in a wider dtype than its output (
 running max, sum and accumulator in fp32) are counted at that dtype's resolution, not the output's: ``eps``
 is then ``ulps`` of the output dtype plus ``wide_ulps`` of fp32, both at the output's scale.
 
-The rule trusts nothing it cannot check: the baseline must itself agree with the truth within
-:data:`BASELINE_ULPS` of its dtype's resolution at the output's scale (``eps`` added, for algorithms that round
-more often in sequence). A truth that misreads the computation (erf for tanh GELU, say) then fails loudly
-instead of widening the bound for a kernel that shares the misreading. For the same reason truths are written
-from torch's own functions in float64 (or transformers' modules), never from the code under test.
+The rule trusts nothing it cannot check: the baseline must itself agree with the truth within :data:`BASELINE_ULPS`
+of its dtype's resolution at the output's scale (``eps`` added, for algorithms that round more often in sequence),
+per rounded stage of a composite computation: a model's output passes through its operations one after another, each
+rounding its result, and those errors add up (``stages``; one for an op). A truth that misreads the computation (erf
+for tanh GELU, say) then fails loudly instead of widening the bound for a kernel that shares the misreading. For the
+same reason truths are written from torch's own functions in float64 (or transformers' modules), never from the code
+under test.
 
 The truth computes in float64 everything that is computed rather than loaded. The rotary's inverse
 frequencies are the case in point: transformers and qvl each round them to fp32, and a truth built from
@@ -151,6 +153,7 @@ def compare(
     ulps: float = DEFAULT_ULPS,
     wide_ulps: float = 0,
     what: str = "",
+    stages: int = 1,
 ) -> Comparison:
     """The rule applied to one tensor: ``actual`` (the result under test, any float dtype), ``truth`` (the same
     quantity in float64), ``baseline`` (torch's or transformers' own computation in ``actual``'s dtype on the same
@@ -170,7 +173,7 @@ def compare(
         error=max_error(actual, truth),
         bound=factor * baseline_error + eps,
         baseline_error=baseline_error,
-        baseline_limit=BASELINE_ULPS * resolution(actual.dtype) * scale_of(truth) + eps,
+        baseline_limit=BASELINE_ULPS * stages * resolution(actual.dtype) * scale_of(truth) + eps,
     )
 
 
@@ -184,6 +187,7 @@ def assert_error_within(
     ulps: float = DEFAULT_ULPS,
     wide_ulps: float = 0,
     what: str = "",
+    stages: int = 1,
 ) -> None:
     """Pass when max|actual - truth| <= factor * max|baseline - truth| + eps and the baseline agrees with the truth
     (:func:`compare`). Tuples/lists of tensors are compared pairwise, each pair with its own scale. The failure
@@ -191,13 +195,17 @@ def assert_error_within(
     if isinstance(actual, Sequence) and not isinstance(actual, torch.Tensor):
         assert len(actual) == len(truth) == len(baseline), f"{what}: {len(actual)}, {len(truth)}, {len(baseline)} items"
         for i, (a, t, b) in enumerate(zip(actual, truth, baseline, strict=True)):
-            assert_error_within(a, t, b, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=f"{what}[{i}]")
+            assert_error_within(
+                a, t, b, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=f"{what}[{i}]", stages=stages
+            )
         return
-    comparison = compare(actual, truth, baseline, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=what)
+    comparison = compare(
+        actual, truth, baseline, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=what, stages=stages
+    )
     assert comparison.passed, comparison.message()
 
 
-def assert_grads_within(got, eager_fn, inputs, grads, what: str = "") -> None:
+def assert_grads_within(got, eager_fn, inputs, grads, what: str = "", stages: int = 1) -> None:
     """Pass when the gradients ``got`` of ``inputs`` (computed by the code under test for the output gradients
     ``grads``) are within :func:`assert_error_within` of float64 autograd of ``eager_fn`` on the same values,
     with ``eager_fn``'s own autograd in the inputs' dtype as the baseline."""
@@ -205,4 +213,4 @@ def assert_grads_within(got, eager_fn, inputs, grads, what: str = "") -> None:
     truth = torch.autograd.grad(eager_fn(*inputs64), inputs64, [g.double() for g in grads])
     leaves = [t.detach().requires_grad_() for t in inputs]
     baseline = torch.autograd.grad(eager_fn(*leaves), leaves, grads)
-    assert_error_within(got, truth, baseline, what=what)
+    assert_error_within(got, truth, baseline, what=what, stages=stages)

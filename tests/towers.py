@@ -36,6 +36,20 @@ VISION_KWARGS = dict(
 FALLBACKS_ARE_ERRORS = pytest.mark.filterwarnings("error::qvl.vit.hf_patch.UnfusedFallbackWarning")
 
 
+def model_stages(model: torch.nn.Module, backward: bool = False) -> int:
+    """The rounded stages in sequence of ``model``'s computation (qvl.kernels.tolerance's ``stages``: the rule's
+    check that torch's own result agrees with the float64 truth allows each stage its rounding): two per leaf module
+    (its own operation, and the residual add, softmax or product beside it), twice that for gradients (which pass
+    back through every stage)."""
+    leaves = sum(1 for module in model.modules() if not list(module.children()))
+    return 2 * leaves * (2 if backward else 1)
+
+
+# The most rounded stages of any model the tests compare whole, forward and backward (model_stages of each: at most 80
+# leaf modules; tests/vit/test_model_stages.py checks the model builders of towers.py and test_hf_patch.py).
+MODEL_STAGES = 320
+
+
 def vision_config(**overrides) -> Qwen3VLVisionConfig:
     config = Qwen3VLVisionConfig(**{**VISION_KWARGS, **overrides})
     config._attn_implementation = "sdpa"

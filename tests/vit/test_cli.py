@@ -33,7 +33,7 @@ from qvl.vit.encode.options import EMBEDDED_MAX_PIXELS
 from qvl.vit.encode.prepare import Preparer
 from qvl.vit.encode.progress import Progress
 from tolerance import assert_error_within, resolution
-from towers import float64_vision_outputs, hf_vision_model_of, vision_outputs
+from towers import MODEL_STAGES, float64_vision_outputs, hf_vision_model_of, vision_outputs
 
 IMAGE_SIZES = {"square.png": (64, 64), "wide.jpg": (96, 160), "tiny.png": (32, 32)}  # name: (height, width)
 EMBEDDED_CONFIG = encode_tower.EMBEDDED_CONFIG
@@ -74,7 +74,9 @@ def assert_features_match(tensors, index: int, tower: VisionTransformer, pixel_v
     written = [tensors[name] for name in [f"image.{index}.merged", *deepstack]]
     hf = hf_vision_model_of(tower)
     truth = float64_vision_outputs(hf, pixel_values, grid_thw)
-    assert_error_within(written, truth, vision_outputs(hf, pixel_values, grid_thw), what=f"input {index}")
+    assert_error_within(
+        written, truth, vision_outputs(hf, pixel_values, grid_thw), what=f"input {index}", stages=MODEL_STAGES
+    )
 
 
 def test_images_match_the_tower_on_transformers_preprocessing(images, embedded_tower, tmp_path, capsys):
@@ -672,4 +674,6 @@ def test_qwen2_checkpoints_encode_with_their_family_preprocessing(name, qwen2_ch
         with torch.no_grad():
             baseline = run(visual)
         truth = float64_run(visual, run, *FAMILIES[name][3])
-        assert_error_within(tensors[f"image.{index}.merged"], truth, baseline, what=f"{name} input {index}")
+        assert_error_within(
+            tensors[f"image.{index}.merged"], truth, baseline, what=f"{name} input {index}", stages=MODEL_STAGES
+        )

@@ -84,6 +84,7 @@ from qvl.vit import Qwen2VisionTransformer  # noqa: E402
 from ranks import run_two_ranks  # noqa: E402
 from tolerance import assert_error_within  # noqa: E402
 from towers import (  # noqa: E402
+    MODEL_STAGES,
     float64_vision_outputs,
     hf_vision_model,
     hf_vision_model_of,
@@ -143,7 +144,7 @@ def test_padded_batches_give_the_unpadded_features(name, monkeypatch):
             padded = pad_pixels(pixels, budget)
             assert padded.shape == (budget, tower.config.patch_dim) and not padded[TOKENS:].any()
             expected = padded_outputs(tower, padded, batch)
-            assert_error_within(expected, truth, baseline, what=what)
+            assert_error_within(expected, truth, baseline, what=what, stages=MODEL_STAGES)
 
             padded[TOKENS:] = garbage[: budget - TOKENS]
             poisoned = padded_outputs(tower, padded, batch)
@@ -175,7 +176,7 @@ def test_padded_last_hidden_state_is_the_real_tokens(name):
     with force_backend("torch"), torch.no_grad():
         got = tower._runner.encode_batch(pixels, np.array(GRID)).last_hidden_state
     assert got.shape == (TOKENS, tower.config.hidden_size)
-    assert_error_within(got, truth, last_hidden(hf), what=f"{name} padded last hidden state")
+    assert_error_within(got, truth, last_hidden(hf), what=f"{name} padded last hidden state", stages=MODEL_STAGES)
 
 
 def test_interpreter_kernels_on_a_padded_batch():
@@ -190,7 +191,9 @@ def test_interpreter_kernels_on_a_padded_batch():
         merged, deepstack = tower(pixels, grid)
     got = [merged, *deepstack]
     truth = float64_run(hf, lambda model: run(model, pixels, grid), *rotary)
-    assert_error_within(got, truth, run(hf, pixels, grid), what=f"{name} padded through the interpreter")
+    assert_error_within(
+        got, truth, run(hf, pixels, grid), what=f"{name} padded through the interpreter", stages=MODEL_STAGES
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
@@ -370,7 +373,7 @@ def test_cuda_graph_replay_equals_eager_without_syncs():
         # the 512 graph, the same kernels on the same shapes as the eager padded run: equal.
         truth = float64_vision_outputs(hf.cpu(), pixel_values_for(GRID, channels=tower.config.patch_dim), GRID)
         baseline = vision_outputs(hf.cuda(), pixel_values_for(GRID, channels=tower.config.patch_dim).cuda(), GRID)
-        assert_error_within(replayed[0], truth, baseline, what="replayed 128-token graph")
+        assert_error_within(replayed[0], truth, baseline, what="replayed 128-token graph", stages=MODEL_STAGES)
         assert all(torch.equal(a, b) for a, b in zip(replayed[1], eager[1], strict=True))
 
 
@@ -405,4 +408,6 @@ def test_data_mode_pads_each_ranks_share(tmp_path):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results["runs"] == [64], f"rank {rank}"
         got = [results["merged"], *results["deepstack"]]
-        assert_error_within(got, truth, baseline, what=f"rank {rank}: data mode through the 64-token budget")
+        assert_error_within(
+            got, truth, baseline, what=f"rank {rank}: data mode through the 64-token budget", stages=MODEL_STAGES
+        )

@@ -20,6 +20,7 @@ from tolerance import assert_error_within
 from towers import (
     FALLBACKS_ARE_ERRORS,
     IMAGE_TOKEN_ID,
+    MODEL_STAGES,
     TEXT_KWARGS,
     TOKEN_IDS,
     VISION_KWARGS,
@@ -99,7 +100,9 @@ def test_vision_model_outputs_unchanged():
         expected = hf(pixels, grid_thw=grid)
         assert patch_model(hf) is hf and is_patched(hf)
         got = hf(pixels, grid_thw=grid)
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]")
+    assert_error_within(
+        vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]", stages=MODEL_STAGES
+    )
 
 
 # Every activation transformers' ACT2FN resolves without learned parameters of its own (prelu and xielu have some).
@@ -118,7 +121,7 @@ def test_vision_mlp_activations_transformers_names(hidden_act, tower_calls):
         expected = hf(pixels, grid_thw=grid)
         got = patch_model(hf)(pixels, grid_thw=grid)
     assert tower_calls == [hf]
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what=hidden_act)
+    assert_error_within(vision_fields(got), truth, vision_fields(expected), what=hidden_act, stages=MODEL_STAGES)
 
 
 def test_mlp_activation_takes_the_fused_op_where_one_fits():
@@ -145,7 +148,13 @@ def test_compiled_patched_model_keeps_deepstack_features():
         expected = hf(pixels, grid_thw=grid)
         got = torch.compile(patch_model(hf), dynamic=True)(pixels, grid_thw=grid)
     assert len(got.deepstack_features) == len(TINY_VISION["deepstack_visual_indexes"])
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="compiled [last, merged, *deepstack]")
+    assert_error_within(
+        vision_fields(got),
+        truth,
+        vision_fields(expected),
+        what="compiled [last, merged, *deepstack]",
+        stages=MODEL_STAGES,
+    )
 
 
 def image_inputs(grid, seed):
@@ -170,7 +179,7 @@ def assert_patch_keeps_logits_and_tokens(model, inputs, *rotary):
     with force_backend("torch"), torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    assert_error_within(logits, truth, expected_logits, what="logits")
+    assert_error_within(logits, truth, expected_logits, what="logits", stages=MODEL_STAGES)
     assert torch.equal(tokens, expected_tokens)
     return expected_logits
 
@@ -250,7 +259,7 @@ def test_registered_attention_implementation(tmp_path):
     with torch.no_grad():
         expected = reference.model.visual(pixels, grid_thw=grid).pooler_output
         got = model.model.visual(pixels, grid_thw=grid).pooler_output
-    assert_error_within(got, truth, expected, what="merged")
+    assert_error_within(got, truth, expected, what="merged", stages=MODEL_STAGES)
 
 
 def test_moe_vision_model_outputs_unchanged():
@@ -265,7 +274,9 @@ def test_moe_vision_model_outputs_unchanged():
     with torch.no_grad():
         expected = hf(pixels, grid_thw=grid)
         got = patch_model(hf)(pixels, grid_thw=grid)
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]")
+    assert_error_within(
+        vision_fields(got), truth, vision_fields(expected), what="[last, merged, *deepstack]", stages=MODEL_STAGES
+    )
 
 
 def test_patched_empty_batch():
@@ -309,7 +320,13 @@ def test_patch_with_token_budgets_pads_to_a_budget(monkeypatch):
         large = [[1, 8, 10]]
         hf(pixel_values_for(large), grid_thw=torch.tensor(large))
     assert runs == [64, 80]  # the hidden states' call runs device_forward itself
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="padded [last, merged, *deepstack]")
+    assert_error_within(
+        vision_fields(got),
+        truth,
+        vision_fields(expected),
+        what="padded [last, merged, *deepstack]",
+        stages=MODEL_STAGES,
+    )
     with force_backend("torch"):
         trained = hf(pixels, grid_thw=grid)
     assert trained.pooler_output.requires_grad and runs == [64, 80, 28]
@@ -347,14 +364,16 @@ def test_hidden_states_as_transformers(tower_calls):
             for index, (state, baseline) in enumerate(zip(got.hidden_states, reference.hidden_states)):
                 assert (state is None) == (baseline is None)
                 if state is not None:
-                    assert_error_within(state, truth[index], baseline, what=f"hidden_states[{index}]")
+                    assert_error_within(
+                        state, truth[index], baseline, what=f"hidden_states[{index}]", stages=MODEL_STAGES
+                    )
             assert got.hidden_states[-1] is got.last_hidden_state and got.attentions is None
         got_tuple = hf(pixels, grid, return_dict=False, output_hidden_states=True)
     assert len(tower_calls) == len(requests) + 1
     assert (
         [type(x) for x in got_tuple] == [type(x) for x in expected_tuple] == [torch.Tensor, torch.Tensor, list, tuple]
     )
-    assert_error_within(got_tuple[3], truth, expected_tuple[3], what="hidden_states of the tuple")
+    assert_error_within(got_tuple[3], truth, expected_tuple[3], what="hidden_states of the tuple", stages=MODEL_STAGES)
 
 
 def test_video_features_hidden_states(tower_calls):
@@ -368,7 +387,9 @@ def test_video_features_hidden_states(tower_calls):
         got = patch_model(model).get_video_features(pixels, grid, output_hidden_states=True)
     assert len(tower_calls) == 1
     assert len(got.hidden_states) == len(expected.hidden_states) == TINY_VISION["depth"] + 1
-    assert_error_within(got.hidden_states, truth.hidden_states, expected.hidden_states, what="hidden_states")
+    assert_error_within(
+        got.hidden_states, truth.hidden_states, expected.hidden_states, what="hidden_states", stages=MODEL_STAGES
+    )
 
 
 def test_autocast_falls_back_to_transformers_with_a_warning(tower_calls):
@@ -398,7 +419,9 @@ def test_autocast_to_the_weights_dtype_runs_on_qvl(tower_calls):
         patch_model(hf)
         got = hf(pixels.bfloat16(), grid_thw=grid)
     assert tower_calls == [hf]
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what="bf16 under bf16 autocast")
+    assert_error_within(
+        vision_fields(got), truth, vision_fields(expected), what="bf16 under bf16 autocast", stages=MODEL_STAGES
+    )
 
 
 def test_attentions_fall_back_to_transformers_with_a_warning(tower_calls):
@@ -473,7 +496,7 @@ def test_tower_runs_on_qvl_inside_accelerate_hook(patch_first, tower_calls):
         warnings.simplefilter("error", UnfusedFallbackWarning)
         logits = model(**inputs).logits
     assert tower_calls == [visual]
-    assert_error_within(logits, truth, expected, what="logits")
+    assert_error_within(logits, truth, expected, what="logits", stages=MODEL_STAGES)
     unpatch_model(model)
     assert visual.forward is hooked_forward and not is_patched(model)
     if not patch_first:
@@ -514,7 +537,7 @@ def test_training_step(tower_calls):
     # by the two towers' own roundings, which can move one small tensor's gradient (a norm weight of a few values)
     # past twice transformers' error alone (seen on one Xeon: k_norm's 1.9e-7 against a bound of 1.6e-7).
     got, truth, expected = (torch.cat([g[i].flatten() for g in grads]) for i in range(3))
-    assert_error_within(got, truth, expected, what="the text model's gradients")
+    assert_error_within(got, truth, expected, what="the text model's gradients", stages=MODEL_STAGES)
 
 
 def test_unpatch_restores_forward_and_repr():
@@ -604,7 +627,9 @@ def test_data_parallel_patch_over_two_ranks(tmp_path):
         # Each rank encodes only its share of the tokens: the hidden states come from transformers' forward.
         assert len(got["warnings"]) == 1 and "data-parallel" in got["warnings"][0]
         for name in [*DATA_PARALLEL_GRIDS, "logits", "hidden_states"]:
-            assert_error_within(got[name], truth[name], expected[name], what=f"rank {rank}: {name}")
+            assert_error_within(
+                got[name], truth[name], expected[name], what=f"rank {rank}: {name}", stages=MODEL_STAGES
+            )
         summed, single = got["fallback_gradients"]
         assert summed.keys() == single.keys()
         assert all(torch.equal(summed[name], single[name]) for name in single), f"rank {rank}: fallback gradients"
@@ -651,10 +676,14 @@ def test_family_vision_models_unchanged(name):
         patch_model(hf)
         got = hf(pixels, grid_thw=grid)
     assert type(got) is type(expected) and set(got.keys()) == set(expected.keys())
-    assert_error_within(vision_fields(got), truth, vision_fields(expected), what=f"{name} [last, merged, ...]")
+    assert_error_within(
+        vision_fields(got), truth, vision_fields(expected), what=f"{name} [last, merged, ...]", stages=MODEL_STAGES
+    )
     with torch.no_grad():
         merged, deepstack = VisionTransformer.from_hf(hf)(pixels, grid_thw)
-    assert_error_within([merged, *deepstack], truth[1:], vision_fields(expected)[1:], what=f"{name} from_hf")
+    assert_error_within(
+        [merged, *deepstack], truth[1:], vision_fields(expected)[1:], what=f"{name} from_hf", stages=MODEL_STAGES
+    )
 
 
 def test_qwen3_omni_tower_found_under_thinker():

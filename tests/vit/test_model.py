@@ -15,7 +15,14 @@ from qvl.vit import VisionConfig, VisionTransformer
 from qvl.vit.families import config_from_hf
 from qvl.vit.runner import _size_oblivious_tracing
 from tolerance import assert_error_within
-from towers import float64_vision_outputs, hf_vision_model, pixel_values_for, vision_config, vision_outputs
+from towers import (
+    MODEL_STAGES,
+    float64_vision_outputs,
+    hf_vision_model,
+    pixel_values_for,
+    vision_config,
+    vision_outputs,
+)
 
 # bench/ is a plain directory run from the repository root, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -37,7 +44,7 @@ def assert_matches(tower, hf, grid_thw, seed=0, pixel_values=None):
     got = [merged, *deepstack]
     assert [t.shape for t in got] == [t.shape for t in expected]
     truth = float64_vision_outputs(hf, pixel_values, grid_thw)
-    assert_error_within(got, truth, expected, what=f"[merged, *deepstack] of {grid_thw}")
+    assert_error_within(got, truth, expected, what=f"[merged, *deepstack] of {grid_thw}", stages=MODEL_STAGES)
 
 
 def test_matches_transformers_fp32_with_video_and_one_merged_row():

@@ -29,7 +29,7 @@ from qvl.vit import (
 )
 from qvl.vit.families import config_from_dict, config_from_hf
 from ranks import run_two_ranks
-from towers import pixel_values_for, randomize
+from towers import MODEL_STAGES, pixel_values_for, randomize
 
 # Batches for the ranks and the compiled tower: images with partial windows, a video (its frames split over the
 # ranks in data mode), one small image (the other rank gets nothing), the empty batch.
@@ -249,7 +249,9 @@ def test_compile_without_recompiles(name):
             def run(model, pixels=pixels, grid=grid):
                 return model(pixels.to(model.dtype), grid_thw=torch.tensor(grid)).pooler_output
 
-            assert_error_within(got, float64_run(hf, run, *rotary), run(hf), what=f"{name} compiled {case}")
+            assert_error_within(
+                got, float64_run(hf, run, *rotary), run(hf), what=f"{name} compiled {case}", stages=MODEL_STAGES
+            )
 
 
 def test_two_ranks_match_transformers(tmp_path):
@@ -264,4 +266,4 @@ def test_two_ranks_match_transformers(tmp_path):
                 keys = [f"{name}/weights/{case}", f"{name}/data/{case}"]
                 keys += [f"{name}/patched/{case}"] if f"{name}/patched/{case}" in results else []
                 for key in keys:
-                    assert_error_within(results[key], truth, baseline, what=f"rank {rank}: {key}")
+                    assert_error_within(results[key], truth, baseline, what=f"rank {rank}: {key}", stages=MODEL_STAGES)

@@ -22,6 +22,7 @@ from tolerance import assert_error_within
 from towers import (
     FALLBACKS_ARE_ERRORS,
     IMAGE_TOKEN_ID,
+    MODEL_STAGES,
     TEXT_KWARGS,
     TOKEN_IDS,
     VISION_START_TOKEN_ID,
@@ -113,7 +114,7 @@ def test_vision_model_outputs_unchanged(name, dtype):
     assert type(got) is type(expected) and set(got.keys()) == set(expected.keys())
     assert len(got.hidden_states) == len(expected.hidden_states) == hf.config.depth + 1
     actual, baseline = fields(got) + list(got.hidden_states), fields(expected) + list(expected.hidden_states)
-    assert_error_within(actual, truth, baseline, what=f"{name} [last, merged, *hidden_states]")
+    assert_error_within(actual, truth, baseline, what=f"{name} [last, merged, *hidden_states]", stages=MODEL_STAGES)
     with torch.no_grad():  # a plain call too: return_dict and no hidden states
         plain = hf(pixels, grid_thw=grid, return_dict=False)
     torch.testing.assert_close(plain[1], got.pooler_output, rtol=0, atol=0)
@@ -158,7 +159,7 @@ def test_configs_transformers_accepts_run_on_qvl(name, overrides, tower_calls):
         expected = run(hf)
         got = run(patch_model(hf))
     assert tower_calls == [hf]
-    assert_error_within(got, truth, expected, what=f"{name} {overrides}")
+    assert_error_within(got, truth, expected, what=f"{name} {overrides}", stages=MODEL_STAGES)
 
 
 def test_models_found_and_unpatched():

@@ -21,7 +21,7 @@ from qvl.kernels import force_backend
 from qvl.vit import patch_model, runner, unpatch_model
 from ranks import run_two_ranks
 from tolerance import assert_error_within
-from towers import FALLBACKS_ARE_ERRORS, hf_vision_model, pixel_values_for
+from towers import FALLBACKS_ARE_ERRORS, MODEL_STAGES, hf_vision_model, pixel_values_for
 
 QWEN2_PATCH_DIM = 3 * 2 * 14 * 14
 
@@ -78,7 +78,9 @@ def test_transformers_checkpointing_runs_the_blocks_own_function(use_reentrant, 
         assert block_runs[: len(blocks)] == blocks, name
         assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, blocks)), f"{name}: recomputed once each"
         for key in got:
-            assert_error_within(got[key], truth[key], expected[key], what=f"{name} checkpointed: {key}")
+            assert_error_within(
+                got[key], truth[key], expected[key], what=f"{name} checkpointed: {key}", stages=MODEL_STAGES
+            )
 
 
 def checkpointed_gradients(hf, pixels, block_runs):
@@ -118,7 +120,9 @@ def test_activation_checkpointing_of_every_other_block(block_runs):
         assert block_runs[: len(blocks)] == blocks, name
         assert sorted(map(id, block_runs[len(blocks) :])) == sorted(map(id, flagged)), f"{name}: the flagged, once each"
         for key in got:
-            assert_error_within(got[key], truth[key], expected[key], what=f"{name} every other block: {key}")
+            assert_error_within(
+                got[key], truth[key], expected[key], what=f"{name} every other block: {key}", stages=MODEL_STAGES
+            )
 
 
 def test_checkpoint_wrapper_recomputes_wrapped_blocks(block_runs):
@@ -142,7 +146,7 @@ def test_checkpoint_wrapper_recomputes_wrapped_blocks(block_runs):
         assert len(block_runs) == 2 * len(model.blocks), order
         for key in got:
             name = key.replace("._checkpoint_wrapped_module", "")
-            assert_error_within(got[key], truth[name], expected[name], what=f"{order}: {key}")
+            assert_error_within(got[key], truth[name], expected[name], what=f"{order}: {key}", stages=MODEL_STAGES)
         unpatch_model(model)
         assert all("forward" not in vars(block._checkpoint_wrapped_module) for block in model.blocks)
 
@@ -221,7 +225,7 @@ def test_fsdp2_per_block_sharding_trains_the_patched_tower(tmp_path):
             assert sorted(got) == sorted(expected), case
             for key in got:
                 what = f"rank {rank} {case}: {key}"
-                assert_error_within(got[key], truth[key], expected[key], what=what)
+                assert_error_within(got[key], truth[key], expected[key], what=what, stages=MODEL_STAGES)
                 assert (got[key] - expected[key]).abs().max() <= 1e-6 * expected[key].norm(), what
             forward_runs = unsharded_blocks[: TINY_VISION["depth"]]
             if FSDP_CASES[case]["reshard_after_forward"]:
@@ -278,7 +282,9 @@ def test_data_mode_vision_beside_fsdp2_text(tmp_path):
         got, expected, truth = results["got"], results["expected"], results["truth"]
         assert sorted(got) == sorted(expected) and any(key.startswith("model.visual.") for key in got)
         for key in got:
-            assert_error_within(got[key], truth[key], expected[key], what=f"rank {rank} data mode + FSDP2: {key}")
+            assert_error_within(
+                got[key], truth[key], expected[key], what=f"rank {rank} data mode + FSDP2: {key}", stages=MODEL_STAGES
+            )
 
 
 if __name__ == "__main__":
