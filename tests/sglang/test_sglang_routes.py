@@ -17,6 +17,7 @@ from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
 from qvl.vit.engine_tower import EngineTowerForward
 from tolerance import assert_error_within
 from towers import (
+    MODEL_STAGES,
     QWEN2_FAMILIES,
     QWEN2_GRID,
     float64_qwen2_family_outputs,
@@ -72,7 +73,7 @@ def test_routes_match_sglang_and_float64(route, dtype):
         assert after["attention"] == before["attention"] + len(model.visual.blocks)
         assert after["tower"] == before["tower"]
     assert out.dtype == baseline.dtype == dtype
-    assert_error_within(out, truth, baseline, what=f"SGLang tower, route {route}, {dtype}")
+    assert_error_within(out, truth, baseline, what=f"SGLang tower, route {route}, {dtype}", stages=MODEL_STAGES)
 
 
 def attention_layer(num_heads=2, num_kv_heads=None, head_dim=64, dtype=torch.float32):
@@ -248,7 +249,7 @@ def test_qwen2_family_towers_match_sglang_and_float64(name):
     before = sglang_plugin.route_counts()["tower"]
     out = outputs(model, pixel_values, QWEN2_GRID)
     assert sglang_plugin.route_counts()["tower"] == before + 1
-    assert_error_within(out, truth, baseline, what=f"SGLang's {name} tower on qvl")
+    assert_error_within(out, truth, baseline, what=f"SGLang's {name} tower on qvl", stages=MODEL_STAGES)
 
 
 def test_routes_step_aside_on_a_cpu_where_qvl_was_not_measured_faster(monkeypatch):

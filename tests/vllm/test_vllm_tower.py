@@ -15,6 +15,7 @@ from qvl.vit import cpu_path, vllm_attention, vllm_routes, vllm_tower
 from qvl.vit.families import family_of
 from tolerance import assert_error_within
 from towers import (
+    MODEL_STAGES,
     QWEN2_FAMILIES,
     QWEN2_GRID,
     VISION_KWARGS,
@@ -59,7 +60,7 @@ def test_matches_vllm_and_float64(dtype):
             out = visual(pixel_values.to(dtype), grid_thw=torch.tensor(GRID))
     assert vllm_routes.route_counts()["tower"] == before + 1
     assert out.dtype == baseline.dtype == dtype
-    assert_error_within(out, truth, baseline, what=f"vLLM tower on qvl, {dtype}")
+    assert_error_within(out, truth, baseline, what=f"vLLM tower on qvl, {dtype}", stages=MODEL_STAGES)
 
 
 def test_empty_batch():
@@ -131,7 +132,7 @@ def test_encoder_cuda_graph_buffers_give_the_batch_features(name):
         baseline = vllm_forward(pixel_values, grid_thw=grid)
     # One batch replayed: counted once (the capture's run is not a forward of a batch).
     assert vllm_routes.route_counts()["tower"] == before + 1
-    assert_error_within(out, truth, baseline, what=f"{name} through vLLM's encoder graph buffers")
+    assert_error_within(out, truth, baseline, what=f"{name} through vLLM's encoder graph buffers", stages=MODEL_STAGES)
 
 
 def test_model_classes_hand_vllm_graphs_qvl_buffers(monkeypatch):
@@ -261,7 +262,13 @@ def test_compiled_forward_does_not_recompile_across_batches():
             with stance:
                 out = visual(pixel_values, grid_thw=grid)
             truth = torch.cat(float64_vision_outputs(hf_model, pixel_values, grid), dim=1)
-            assert_error_within(out, truth, vllm_forward(pixel_values, grid_thw=grid), what=f"compiled, batch {index}")
+            assert_error_within(
+                out,
+                truth,
+                vllm_forward(pixel_values, grid_thw=grid),
+                what=f"compiled, batch {index}",
+                stages=MODEL_STAGES,
+            )
 
 
 def test_qwen3_5_tower_without_deepstack():
@@ -282,7 +289,7 @@ def test_qwen3_5_tower_without_deepstack():
     with torch.no_grad():
         baseline = vllm_forward(pixel_values, grid_thw=GRID)
         out = visual(pixel_values, grid_thw=GRID)
-    assert_error_within(out, truth, baseline, what="Qwen3.5 tower on qvl")
+    assert_error_within(out, truth, baseline, what="Qwen3.5 tower on qvl", stages=MODEL_STAGES)
 
 
 def test_model_classes_are_vllm_subclasses():
@@ -316,7 +323,7 @@ def test_qwen2_family_towers_match_vllm_and_float64(name):
         before = vllm_routes.route_counts()["tower"]
         out = visual(pixel_values, grid_thw=QWEN2_GRID)
     assert vllm_routes.route_counts()["tower"] == before + 1
-    assert_error_within(out, truth, baseline, what=f"vLLM's {name} tower on qvl")
+    assert_error_within(out, truth, baseline, what=f"vLLM's {name} tower on qvl", stages=MODEL_STAGES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
