@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from conftest import ON_GPU
 from encoding import TINY_CONFIG, encode, make_video, random_picture, read_folder, read_output, save_checkpoint
 from qvl.kernels import force_backend
 from qvl.vit import VisionConfig, layers
@@ -37,8 +38,13 @@ from towers import float64_vision_outputs, hf_vision_model_of
 
 # (height, width): 2x2 to 6x4 patches at --min-pixels 1024, none resized but the last two.
 IMAGE_SHAPES = [(32, 32), (32, 64), (64, 32), (64, 64), (32, 96), (96, 64), (50, 70), (40, 40)]
-# Images and video frames kept at their size (rounded to whole merge blocks).
-SMALL = ["--min-pixels", 1024, "--max-pixels", 200_000, "--video-min-pixels", 1024]
+# Triton's interpreter runs where the suite set it up (TRITON_INTERPRET=1: a machine without a GPU, or asked for).
+INTERPRETER = pytest.param(
+    "interpreter", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=0")
+)
+# On the CPU (a GPU machine's default is its GPU), images and video frames kept at their size (rounded to whole merge
+# blocks).
+SMALL = ["--device", "cpu", "--min-pixels", 1024, "--max-pixels", 200_000, "--video-min-pixels", 1024]
 
 
 @contextlib.contextmanager
@@ -101,7 +107,16 @@ def assert_same_features(got: dict, expected: dict, what: str) -> None:
         assert torch.equal(got[name], expected[name]), f"{what}: {name}"
 
 
-@pytest.mark.parametrize("backend", ["torch", "interpreter"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        INTERPRETER,
+        # Not yet run on a GPU: there the GEMM library may pick kernels by batch size (the fixed row tiles are the
+        # CPU paths'), and a device run says whether features still do not depend on the packing.
+        pytest.param("triton", marks=pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")),
+    ],
+)
 def test_features_do_not_depend_on_the_packing(backend, checkpoint, photos, clip, tmp_path):
     """Random packings (input orders, --budget, --batch-size; the video in chunks of other sizes) give every input
     the features it gets alone, bit for bit. On the torch path a larger image (672 patches) takes batches past one
@@ -115,7 +130,8 @@ def test_features_do_not_depend_on_the_packing(backend, checkpoint, photos, clip
         random_picture(384, 448, 99).save(large)
         paths.append(str(large))
         budgets, trials = [12, 64, 1500, 4000], 3
-    common = ["--model", directory, "--video", clip, "--fps", 8, *SMALL]
+    device = ["--device", "cuda"] if backend == "triton" else []
+    common = ["--model", directory, "--video", clip, "--fps", 8, *SMALL, *device]
     listed = tmp_path / "inputs.txt"
     listed.write_text("\n".join(paths))
     alone = tmp_path / "alone.safetensors"
@@ -294,7 +310,7 @@ def test_an_output_known_unwritable_fails_in_one_line_before_encoding(name, chec
     """An output on a file system that takes no new files (/proc; permission bits would not stop root): one line
     naming it, exit status 2, before the checkpoint or any input is read."""
     directory, _ = checkpoint
-    assert encode(photos, "--model", directory, "-o", f"/proc/{name}") == 2
+    assert encode(photos, "--model", directory, *SMALL, "-o", f"/proc/{name}") == 2
     [line] = capsys.readouterr().err.splitlines()
     assert re.fullmatch(rf"qvl: error: /proc: cannot write there \(.+; for --output /proc/{name}\)", line), line
 
@@ -423,7 +439,7 @@ def test_data_parallel_ranks_write_shards_whose_union_is_the_single_process_run(
         assert entry["shard"].startswith(f"shard-r{entry['input'] % 2}-"), entry
 
 
-@pytest.mark.parametrize("backend", ["torch", "interpreter"])
+@pytest.mark.parametrize("backend", ["torch", INTERPRETER])
 def test_encode_folds_images_within_the_rule_of_the_unfolded_run(backend, checkpoint, photos, tmp_path, monkeypatch):
     """qvl encode gives the tower an image's frame once (folded rows, the patch embedding's temporal slices summed):
     its features are the unfolded run's (the tower on transformers' rows, each frame in both slots) within the
