@@ -276,16 +276,22 @@ def main(argv: Sequence[str] | None = None) -> CpuTowerReport:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=sorted(harness.DTYPES), help="one dtype (default: fp32, then bf16)")
     parser.add_argument("--quick", action="store_true", help="tiny tower: a smoke run, numbers meaningless")
-    parser.add_argument("--json", type=Path, help="results file (default: bench/results/cpu-<machine>-<date>.json)")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="results file (default: bench/results/cpu-<machine>-<date>.json; with --quick, none unless given)",
+    )
     parser.add_argument(
         "--device", choices=("auto", "cuda", "cpu"), default="auto", help="taken for python -m bench; always the CPU"
     )
     args = parser.parse_args(argv)
     dtypes = [harness.DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
     report = benchmark(dtypes, args.quick)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = report.save(args.json or harness.RESULTS_DIR / f"cpu-{harness.cpu_name()}-{stamp}.json")
-    print(f"results: {path}")
+    # A smoke run's numbers mean nothing: it leaves no file in the checkout unless asked for one.
+    if args.json or not args.quick:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = report.save(args.json or harness.RESULTS_DIR / f"cpu-{harness.cpu_name()}-{stamp}.json")
+        print(f"results: {path}")
     print(report.summary(), flush=True)
     return report
 

@@ -165,6 +165,26 @@ def test_merger_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check_table_last(out, all_cases[-1].name, "eager")
 
 
+def test_cpu_quick_run_leaves_no_file_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A smoke run's numbers mean nothing: without --json it writes nothing into the checkout."""
+    saved = []
+
+    class Report:
+        def save(self, path):
+            saved.append(path)
+            return path
+
+        def summary(self):
+            return ""
+
+    monkeypatch.setattr(bench_cpu, "benchmark", lambda dtypes, quick: Report())
+    bench_cpu.main(["--quick", "--dtype", "fp32"])
+    assert saved == []
+    bench_cpu.main(["--quick", "--dtype", "fp32", "--json", str(tmp_path / "r.json")])
+    bench_cpu.main(["--dtype", "fp32"])
+    assert saved[0] == tmp_path / "r.json" and saved[1].parent == harness.RESULTS_DIR
+
+
 def test_cpu_tower_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """bench_cpu's smoke run: per workload transformers, qvl and qvl compiled (vLLM's peers skipped where vllm does
     not import), each with its time, its error against transformers and its peak memory; the ratio table last."""
