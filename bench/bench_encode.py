@@ -86,19 +86,6 @@ def _qwen3_vl_processing(image: dict | None = None):
     return family.processing.for_checkpoint(family.config_class.from_dict({}, **family.config_options), image)
 
 
-def _image_processor_options(processing) -> dict:
-    """transformers' image processor arguments of ``processing``."""
-    return dict(
-        patch_size=processing.patch_size,
-        temporal_patch_size=processing.temporal_patch_size,
-        merge_size=processing.merge_size,
-        image_mean=list(processing.image_mean),
-        image_std=list(processing.image_std),
-        min_pixels=processing.min_pixels,
-        max_pixels=processing.max_pixels,
-    )
-
-
 def _torchvision_image_processor(options: dict):
     """transformers' torchvision-backed image processor, or None where torchvision does not import."""
     try:
@@ -116,7 +103,7 @@ def _implementations(photo: np.ndarray) -> dict[str, Callable[[], object]]:
     from qvl.vit.encode.prepare import Preparer
 
     processing = _qwen3_vl_processing()
-    options = _image_processor_options(processing)
+    options = processing.image_processor_options()
     preparer, pixels = Preparer(processing, "cpu"), torch.from_numpy(photo)
     folding = Preparer(processing, "cpu", fold_images=True)
     pil_processor, pil_image = Qwen2VLImageProcessorPil(**options), Image.fromarray(photo)
@@ -172,7 +159,7 @@ def video_rows(threads: int = 1, repeats: int = 3, seconds: float = 30, frame_si
     try:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        options = _image_processor_options(processing) | dict(min_pixels=None, max_pixels=None)
+        options = processing.image_processor_options() | dict(min_pixels=None, max_pixels=None)
         size = {"shortest_edge": processing.video_min_pixels, "longest_edge": processing.video_max_pixels}
         options = {k: v for k, v in options.items() if v is not None} | dict(size=size)
         processor = Qwen3VLVideoProcessor(**options, cap_pixels_per_frame=processing.cap_pixels_per_frame)
@@ -265,7 +252,7 @@ def end_to_end_rows(
         paths = [folder / f"{number:03d}.jpg" for number in range(photos)]
         for number, path in enumerate(paths):
             Image.fromarray(synthetic_photo(*size, seed=number)).save(path, quality=90)
-        options = _image_processor_options(_qwen3_vl_processing(QWEN3_VL_PREPROCESSOR))
+        options = _qwen3_vl_processing(QWEN3_VL_PREPROCESSOR).image_processor_options()
         processors = {"transformers PIL": Qwen2VLImageProcessorPil(**options)}
         torchvision_processor = _torchvision_image_processor(options)
         if torchvision_processor is not None:

@@ -232,14 +232,12 @@ class KernelLaunch(NamedTuple):
 
     def run(self) -> None:
         """Launch on the current device and stream (a CUDA launch through the fast path below, where it is on)."""
-        if _INTERPRETING:
-            self.kernel[self.grid](**self.args, **self.kwargs)
-            return
-        device = torch.cuda.current_device()
-        if fast_launch_enabled(device):
-            _launch(self, device)
-        else:
-            self.kernel[self.grid](**self.args, **self.kwargs)
+        if not _INTERPRETING and _fast_launch is not False:
+            device = torch.cuda.current_device()
+            if fast_launch_enabled(device):
+                _launch(self, device)
+                return
+        self.kernel[self.grid](**self.args, **self.kwargs)
 
 
 def run_launches(launches: Sequence[KernelLaunch], device: torch.device) -> None:

@@ -195,11 +195,9 @@ class Processing:
             )
         return sample_frame_indices(total_frames, video_fps, fps, max_frames, self.min_frames)
 
-    def image_processor(self):
-        """transformers' Qwen2-VL PIL image processor with these parameters (needs transformers and pillow)."""
-        from transformers import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil(
+    def image_processor_options(self) -> dict:
+        """These parameters as transformers' Qwen2-VL image processors take them (either backend)."""
+        return dict(
             patch_size=self.patch_size,
             temporal_patch_size=self.temporal_patch_size,
             merge_size=self.merge_size,
@@ -208,6 +206,12 @@ class Processing:
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
         )
+
+    def image_processor(self):
+        """transformers' Qwen2-VL PIL image processor with these parameters (needs transformers and pillow)."""
+        from transformers import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(**self.image_processor_options())
 
     def video_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         """The ``(height, width)`` the video processor resizes ``num_frames`` frames of ``height x width`` to."""

@@ -45,21 +45,9 @@ def processing_of(name: str):
     return family.processing.for_checkpoint(family.config_class.from_dict({}, **family.config_options))
 
 
-def image_processor_options(processing) -> dict:
-    return dict(
-        patch_size=processing.patch_size,
-        temporal_patch_size=processing.temporal_patch_size,
-        merge_size=processing.merge_size,
-        image_mean=list(processing.image_mean),
-        image_std=list(processing.image_std),
-        min_pixels=processing.min_pixels,
-        max_pixels=processing.max_pixels,
-    )
-
-
 def video_processor(name: str, processing):
     """The family's transformers video processor with ``processing``'s bounds (Qwen3-VL's over frames x area)."""
-    options = dict(image_processor_options(processing), min_pixels=None, max_pixels=None)
+    options = dict(processing.image_processor_options(), min_pixels=None, max_pixels=None)
     size = {"shortest_edge": processing.video_min_pixels, "longest_edge": processing.video_max_pixels}
     options = {k: v for k, v in options.items() if v is not None} | {"size": size}
     if name == "Qwen3-VL":
@@ -148,7 +136,7 @@ def test_decode_reports_unusable_files(tmp_path):
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_images_equal_the_torchvision_image_processor(name):
     processing = processing_of(name)
-    processor = Qwen2VLImageProcessor(**image_processor_options(processing))
+    processor = Qwen2VLImageProcessor(**processing.image_processor_options())
     prepare = Preparer(processing, "cpu")
     shapes = IMAGE_SHAPES + ([(1080, 1920)] if name == "Qwen3-VL" else [])
     for seed, shape in enumerate(shapes):
@@ -165,7 +153,7 @@ def test_images_are_within_the_rule_of_the_pil_image_processor(name):
     vertical pass first (its result agrees with that order's truth), each side is within its 8-bit roundings of its
     own order's truth, so the two differ by the two orders' float64 results' difference and those roundings."""
     processing = processing_of(name)
-    processor = Qwen2VLImageProcessorPil(**image_processor_options(processing))
+    processor = Qwen2VLImageProcessorPil(**processing.image_processor_options())
     prepare = Preparer(processing, "cpu")
     orders = set()
     for seed, shape in enumerate(IMAGE_SHAPES):
@@ -195,7 +183,7 @@ def test_the_gpu_recipe_equals_torchvisions_own(name, monkeypatch):
 
     monkeypatch.setattr(geometry, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
     processing = processing_of(name)
-    processor = Qwen2VLImageProcessor(**image_processor_options(processing))
+    processor = Qwen2VLImageProcessor(**processing.image_processor_options())
     mean = torch.tensor(processing.image_mean) * 255
     std = torch.tensor(processing.image_std) * 255
     slots = processing.temporal_patch_size
@@ -213,7 +201,7 @@ def test_the_gpu_recipe_equals_torchvisions_own(name, monkeypatch):
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_images_on_a_gpu_equal_the_torchvision_image_processor_there(name):
     processing = processing_of(name)
-    processor = Qwen2VLImageProcessor(**image_processor_options(processing))
+    processor = Qwen2VLImageProcessor(**processing.image_processor_options())
     prepare = Preparer(processing, "cuda")
     for seed, shape in enumerate([*IMAGE_SHAPES, (1080, 1920)]):
         pixels = random_pixels(shape, seed)
