@@ -74,27 +74,14 @@ class Choice(NamedTuple):
     conservative: str
     interpreter: str
     variable: str
-    about: str
 
 
 CHOICES = {
-    "head_dim": Choice(
-        "head_dim",
-        ("split", "split32"),
-        "padded",
-        "split",
-        "QVL_ATTENTION_HEAD_DIM",
-        "how attention tiles head dims that are not a power of two (72, 80): split (64 + a 16-wide tail), split32"
-        " (64 + 32) or padded (one tile of the next power of two)",
-    ),
-    "launch": Choice(
-        "launch",
-        ("fast",),
-        "triton",
-        "fast",
-        "QVL_FAST_LAUNCH",
-        "how kernels are launched: fast (the compiled kernel's launcher called directly) or triton (kernel[grid])",
-    ),
+    # How attention tiles head dims that are not a power of two (72, 80): split (64 + a 16-wide tail), split32
+    # (64 + 32) or padded (one tile of the next power of two).
+    "head_dim": Choice("head_dim", ("split", "split32"), "padded", "split", "QVL_ATTENTION_HEAD_DIM"),
+    # How kernels are launched: fast (the compiled kernel's launcher called directly) or triton (kernel[grid]).
+    "launch": Choice("launch", ("fast",), "triton", "fast", "QVL_FAST_LAUNCH"),
 }
 
 # What every GPU path runs that no device run has checked yet and that has no alternative in the package.
