@@ -20,13 +20,17 @@ def test_preparation_rows_time_every_implementation():
 
 def test_end_to_end_rows_compare_qvl_encode_with_transformers(tmp_path):
     rows = bench_encode.end_to_end_rows(photos=2, size=(64, 96), towers=("tiny",), rounds=1, root=tmp_path)
-    assert [row["implementation"] for row in rows] == ["qvl encode", "transformers PIL", "transformers torchvision"]
+    implementations = ["qvl encode", "transformers PIL", "transformers torchvision", bench_encode.TOWER_ALONE]
+    assert [row["implementation"] for row in rows] == implementations
     assert rows[0]["qvl_speedup"] == 1.0 and rows[0]["split"].startswith("time: decoding")
     assert 0 < rows[0]["encoding_s"] < rows[0]["seconds"]
     assert all(row["seconds"] > 0 and row["images_per_s"] == 2 / row["seconds"] for row in rows)
     # The same weights and preparation (up to the resize's last-bit rounding with PIL): the same features.
     assert all(row["max_rel_err"] < 1e-2 for row in rows[1:])
-    assert "tiny: qvl encode's own count" in bench_encode.format_end_to_end(rows)
+    table = bench_encode.format_end_to_end(rows)
+    assert "tiny: qvl encode's own count" in table
+    ceiling = rows[1]["seconds"] / rows[3]["seconds"]
+    assert f"tiny: the tower alone is {rows[3]['seconds']:.2f} s" in table and f"at most {ceiling:.2f}x" in table
 
 
 def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
