@@ -25,7 +25,7 @@
 #   4. every GPU benchmark's quick cases (not bench_cpu, whose subject is a CPU), one module at a time, each under its
 #      own timeout; the compiled towers left out (compiling them takes minutes)              *.json, bench.log
 #   5. the plots of the whole run (bench.plot)                                               *.png
-#   6. which of issues 30's and 31's goals the run meets (bench/goals.py; --attention: 30's, --tower: 31's)  goals.txt
+#   6. which of the attention and tower goals the run meets (bench/goals.py; --attention: the attention goals, --tower: the tower's)  goals.txt
 # --attention (issue 30): 1-3 for attention alone (its tests, guard bands on the device included), then the attention
 #   forward and forward + backward benchmarks (flex_attention left out: it compiles per shape) and Qwen2.5-VL's
 #   window attention.
@@ -252,12 +252,12 @@ plots() {
 
 goals() {
   phase goals "$1"
-  local issue=()
+  local only=()
   case "$mode" in
-    --attention) issue=(--issue 30) ;;
-    --tower) issue=(--issue 31) ;;
+    --attention) only=(--goals attention) ;;
+    --tower) only=(--goals tower) ;;
   esac
-  timeout "$1" python3 -m bench.goals "$out" "${issue[@]}" 2>&1 | tee "$out/goals.txt"
+  timeout "$1" python3 -m bench.goals "$out" "${only[@]}" 2>&1 | tee "$out/goals.txt"
 }
 
 # Each mode's steps after the layout check, most wanted first: "FUNCTION CAP FLOOR [WORDS]" (run_plan).

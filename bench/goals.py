@@ -1,11 +1,11 @@
-"""Which of issues 30's and 31's measurable goals a GPU run meets: ``python -m bench.goals RUN_FOLDER [--issue N]``.
+"""Which of the attention and tower goals a GPU run meets: ``python -m bench.goals RUN [--goals attention|tower]``.
 
 Reads the run's JSON reports and prints one line per goal with what the run measured and whether it meets the goal:
 ``met``, ``missed``, or ``not measured`` where a report or a row is absent (a benchmark cut by its timeout, a peer
 left out, a case the quick run has not). Nothing is timed here; the exit status is 0 whatever the verdicts (it
-reports, it does not gate). ``--issue 30`` or ``--issue 31`` keeps one issue's goals (default: both).
+reports, it does not gate). ``--goals attention`` or ``--goals tower`` keeps one set (default: both).
 
-Issue 30 (``bench_attention``, ``bench_attention_backward``, ``bench_window``; H200 bf16; the best peer of a case is
+Attention (``bench_attention``, ``bench_attention_backward``, ``bench_window``; H200 bf16; the best peer of a case is
 its fastest non-qvl row):
 
 * head dims 72 and 80 in the split tiling (1.11x the useful dot work at D 72, none extra at D 80) agree with float64
@@ -17,7 +17,7 @@ its fastest non-qvl row):
 * Qwen2.5-VL windows (D 80, 64-token windows): ``qvl`` >= 1.5x ``varlen_attn``;
 * forward + backward on single images of S >= 4,096: >= 1.2x the best peer (``qvl+rope`` at D 72, ``qvl`` at D 64).
 
-Issue 31 (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``, ``bench_pos_embed``: the ``--tower``
+Tower (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``, ``bench_pos_embed``: the ``--tower``
 run of ``bench/device_check.sh`` writes them all; Qwen3-VL 8B's tower):
 
 * host time per call: ``vision_attn`` <= 30 µs, every other op <= 20 µs (``bench_host``'s ``qvl`` row: the op as a
@@ -60,7 +60,7 @@ COPY_SHARE = 0.85
 TOWER_SIZES = ("16384x1152", "4096x4608", "16384x4304")
 MERGER_TOKENS = 1024
 TOWER_TOKENS = 4096  # the rotary's and the position table's cases from here on are at the tower's sizes
-# Issue 30: the attention benchmarks' case names (model, then workloads.label of the batch) and their goals.
+# The attention benchmarks' case names (model, then workloads.label of the batch) and their goals.
 QVL_ROWS = ("qvl", "qvl+rope", "rotary_2d+qvl", "rotary_2d_+qvl")  # bench_attention.QVL_VARIANTS: not peers
 D72_WITH_ROPE = {label(square(1024)): 1.0, **{label(g): 1.15 for g in (square(4096), square(16384), MIXED_8, VIDEO_16)}}
 D72_RATE_CASE, D72_RATE = label(square(16384)), 420.0
@@ -308,7 +308,7 @@ def attention_goals(run: Run) -> Iterator[Verdict]:
         yield Verdict("forward + backward (bench_attention_backward)", "-", None)
 
 
-GOALS = {30: (head_dim_goals, attention_goals), 31: (host_goals, tower_goals, bandwidth_goals)}
+GOALS = {"attention": (head_dim_goals, attention_goals), "tower": (host_goals, tower_goals, bandwidth_goals)}
 
 
 def _tokens(case: str) -> int:
@@ -317,8 +317,8 @@ def _tokens(case: str) -> int:
     return int(found.group(1) or found.group(2)) if found else 0
 
 
-def verdicts(run: Run, issues: Sequence[int] = tuple(GOALS)) -> list[Verdict]:
-    return [verdict for issue in issues for goals in GOALS[issue] for verdict in goals(run)]
+def verdicts(run: Run, sets: Sequence[str] = tuple(GOALS)) -> list[Verdict]:
+    return [verdict for name in sets for goals in GOALS[name] for verdict in goals(run)]
 
 
 def table(found: Sequence[Verdict]) -> str:
@@ -333,15 +333,15 @@ def table(found: Sequence[Verdict]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[Verdict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="a run's results folder (bench/results/run-...)")
-    parser.add_argument("--issue", type=int, choices=sorted(GOALS), action="append", help="one issue's goals")
+    parser.add_argument("--goals", choices=list(GOALS), action="append", help="one set of goals (default: both)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"not a folder: {args.folder}")
     run = Run(args.folder)
-    issues = args.issue or sorted(GOALS)
-    found = verdicts(run, issues)
-    names = " and ".join(map(str, issues))
-    print(f"issue {names}'s goals in {args.folder} ({', '.join(sorted(run.reports)) or 'no reports'}):")
+    sets = args.goals or list(GOALS)
+    found = verdicts(run, sets)
+    names = " and ".join(sets)
+    print(f"the {names} goals in {args.folder} ({', '.join(sorted(run.reports)) or 'no reports'}):")
     print(table(found))
     return found
 

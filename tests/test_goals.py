@@ -1,4 +1,4 @@
-"""bench/goals.py: issues 30's and 31's goals read from a run's reports, on the committed H200 run of 2026-12-04 and
+"""bench/goals.py: the attention and tower goals read from a run's reports, on the committed H200 run of 2026-12-04 and
 on synthetic runs that hold every row the goals read."""
 
 import json
@@ -23,7 +23,7 @@ def by_goal(found):
 def test_the_committed_h200_run(capsys):
     """The numbers the README's table quotes for that run (qvl eager 0.81x on one image, the training steps), and what
     that run could not measure (no host benchmark, no replay or compiled transformers rows yet)."""
-    found = by_goal(goals.main([str(RUN_20261204), "--issue", "31"]))
+    found = by_goal(goals.main([str(RUN_20261204), "--goals", "tower"]))
     one_image = found["tower eager vs hf sdpa, 1 img 1024x1024: >= 1.4x"]
     assert (one_image.measured, one_image.status) == ("0.808x", "missed")
     assert found["training step vs hf sdpa, 8 imgs mixed: >= 1.3x"].measured == "1.136x"
@@ -35,10 +35,10 @@ def test_the_committed_h200_run(capsys):
     assert out.splitlines()[-1] == "11 met, 33 missed, 20 not measured"
 
 
-def test_the_committed_h200_run_against_issue_30(capsys):
+def test_the_committed_h200_run_against_the_attention_goals(capsys):
     """The attention figures that run printed (qvl+rope 0.30x the best peer at S 1,024, windows 0.42x varlen_attn),
     and the cases its quick benchmark had not yet (S 16,384, the video, the 2B tower)."""
-    found = by_goal(goals.main([str(RUN_20261204), "--issue", "30"]))
+    found = by_goal(goals.main([str(RUN_20261204), "--goals", "attention"]))
     assert found["attention D 72 with rope, 8B S=1024: >= 1.0x best peer"].measured == "0.303x"
     assert found["rope cost, 8B S=4096: qvl+rope <= 1.05x qvl's time"].measured == "+22.5%"
     assert found["window 1344x1344 (144 segs): >= 1.5x varlen_attn"].measured == "0.421x"
@@ -126,7 +126,7 @@ def test_bandwidth_goals_judge_device_time_where_both_rows_have_it(tmp_path: Pat
         {**record(case, "qvl", 0.040), "device_ms": 0.010}, {**record(case, "copy", 0.010), "device_ms": 0.009},
         {**record(case, "eager", 0.020), "device_ms": 0.011}, record(case, "compiled", 0.030),
     ])  # fmt: skip
-    found = by_goal(goals.verdicts(goals.Run(tmp_path), [31]))
+    found = by_goal(goals.verdicts(goals.Run(tmp_path), ["tower"]))
     share = found[f"{case}: >= 85% of copy"]
     assert (share.measured, share.status) == ("0.900 device, wall 0.250", "met")
     eager = found[f"{case}: >= eager"]
@@ -156,7 +156,7 @@ def test_attention_goals_on_a_synthetic_run(tmp_path: Path):
         record("8B S=4096", "varlen_attn", 3.0), record("8B S=4096", "qvl+rope", 2.4), record("8B S=4096", "qvl", 2.0),
         record("2B S=4096", "flash_attn_3", 2.0), record("2B S=4096", "qvl", 1.6),
     ])  # fmt: skip
-    status = {v.goal: v.status for v in goals.verdicts(goals.Run(tmp_path), [30])}
+    status = {v.goal: v.status for v in goals.verdicts(goals.Run(tmp_path), ["attention"])}
     # The best peer is cuDNN's 1.2 ms: qvl+rope's 1.04 ms is 1.154x, enough for the 1.15x goals.
     assert status["attention D 72 with rope, 8B S=4096: >= 1.15x best peer"] == "met"
     assert status["attention D 72 with rope, 8B S=16384: >= 420 TFLOP/s"] == "met"
@@ -187,7 +187,7 @@ def test_head_dim_goals_read_the_layout_check(tmp_path: Path):
     for split_verdict, d72_met in (("right", True), ("wrong", False)):
         verdicts = {"head_dim:split": {"verdict": split_verdict}}
         (tmp_path / "check.json").write_text(json.dumps({"rows": rows, "verdicts": verdicts}))
-        found = {v.goal: v for v in goals.verdicts(goals.Run(tmp_path), [30])}
+        found = {v.goal: v for v in goals.verdicts(goals.Run(tmp_path), ["attention"])}
         d72 = found["head dim 72, split tiling: forward and backward agree with float64 on the device"]
         d80 = found["head dim 80, split tiling: forward and backward agree with float64 on the device"]
         assert (d72.measured, d72.status) == ("worst error 0.40 of its bound", "met" if d72_met else "missed")
