@@ -11,7 +11,9 @@ BLOCK_M {64, 128} x BLOCK_N {32, 64, 128} x warps {4, 8} x stages {2, 3, 4} x K/
 descriptors} (8 warps only with 128-row tiles; short segments: 64-row tiles over at most 64 keys) is compiled
 ahead in worker processes (Triton's disk cache then serves the launches), checked against the torch reference
 on the case's batch and on ragged segments that end inside a tile (the timed batches are multiples of every
-tile, and a compiler bug on ragged blocks once passed a check on them alone), and timed with
+tile, and a compiler bug on ragged blocks once passed a check on them alone) by the rule ``qvl check`` and the
+tests judge with (:class:`qvl.kernels.verify.AttentionProblem`: each segment against float64 within its own bound,
+torch's own result in the dtype as the baseline, the candidate's key block counted), and timed with
 ``triton.testing.do_bench`` on the case's batch. The fastest correct candidate becomes the entry, with its time
 and the heuristic's. The sweep stops at ``--budget-s`` and writes what it measured. It sweeps the head-dim
 layout in use (``QVL_ATTENTION_HEAD_DIM``); entries of the other layouts are keyed apart (``.../padded``,
@@ -43,8 +45,10 @@ import torch
 
 from qvl.kernels import attention
 from qvl.kernels.common import device_target, run_launches
+from qvl.kernels.tolerance import worst_of
+from qvl.kernels.verify import AttentionProblem
 
-from .harness import DTYPES, TOLERANCE, attention_flops, max_rel_err
+from .harness import DTYPES, attention_flops
 
 NUM_HEADS = 16
 # One batch per segment-length class: long, an 8B tower's mixed request (a 4096-token image beside two of
@@ -152,19 +156,20 @@ Timer = Callable[[Callable[[], None]], float]
 
 def tune_case(case: Case, tiles_list: Sequence[dict], device: torch.device, timer: Timer,
               skip: Sequence[str | None] | None = None, deadline: float = math.inf) -> list[dict]:  # fmt: skip
-    """Check each candidate against the torch reference on the timed batch and on :data:`RAGGED`, then time it
-    with ``timer`` (a zero-argument call -> ms); returns one row per candidate: its tiles, ``ms`` (None when not
-    run), ``max_rel_err`` (the larger of the two checks) and ``skipped`` (why it did not count). Stops starting
-    candidates at ``deadline`` (``time.monotonic()``)."""
+    """Check each candidate on the timed batch and on :data:`RAGGED` (:class:`~qvl.kernels.verify.AttentionProblem`,
+    every segment within its bound), then time it with ``timer`` (a zero-argument call -> ms); returns one row per
+    candidate: its tiles, ``ms`` (None when not run), ``worst`` (its largest error over its bound, of both checks;
+    above 1 is wrong) and ``skipped`` (why it did not count). Stops starting candidates at ``deadline``
+    (``time.monotonic()``)."""
     target = device_target(device)
     checks = []
     for inputs in (case_inputs(case, device), case_inputs(case, device, RAGGED[case.segment_class])):
         q, k, v, bounds, _ = inputs
-        checks.append((inputs, attention.vision_attn_reference(q, k, v, bounds)))
+        checks.append((inputs, AttentionProblem(q, k, v, bounds, target, case.max_seqlen)))
     inputs = checks[0][0]
     rows = []
     for index, tiles in enumerate(tiles_list):
-        row = {**tiles, "ms": None, "max_rel_err": None, "skipped": skip[index] if skip else None}
+        row = {**tiles, "ms": None, "worst": None, "skipped": skip[index] if skip else None}
         rows.append(row)
         if row["skipped"] is not None:
             continue
@@ -173,14 +178,14 @@ def tune_case(case: Case, tiles_list: Sequence[dict], device: torch.device, time
             continue
         candidate = launches(case, inputs, tiles, target)
         try:
-            errors = []
-            for checked, expected in checks:
+            comparisons = []
+            for checked, problem in checks:
                 checked[-1].fill_(float("nan"))
                 run_launches(launches(case, checked, tiles, target), device)
-                errors.append(max_rel_err(checked[-1], expected))
-            row["max_rel_err"] = math.nan if any(map(math.isnan, errors)) else max(errors)
-            if not row["max_rel_err"] <= TOLERANCE[case.dtype]:
-                row["skipped"] = f"disagrees with the reference: {row['max_rel_err']:.2e}"
+                comparisons += problem.check(checked[-1], tiles["BLOCK_N"])
+            row["worst"], passed, failure = worst_of(comparisons)
+            if not passed:
+                row["skipped"] = f"wrong: {failure}"[:300]
                 continue
             row["ms"] = timer(lambda c=candidate: run_launches(c, device))
         except Exception as exc:  # noqa: BLE001 - e.g. out of resources at launch: the candidate cannot run

@@ -113,14 +113,6 @@ def _attention_call(qkv, cu_seqlens, max_seqlen, positions, grad_out):
     return out.detach(), grad.unbind(1)
 
 
-def _worst(comparisons) -> tuple[float, bool, str]:
-    """(the largest error / bound, NaN where an error is; whether all passed; the first failure's message)."""
-    shares = [c.error / c.bound if c.bound > 0 else (0.0 if c.error == 0 else float("inf")) for c in comparisons]
-    worst = float("nan") if any(share != share for share in shares) else max(shares, default=0.0)
-    failure = next((c.message() for c in comparisons if not c.passed), "")
-    return worst, not failure, failure
-
-
 def _emit(row: Row) -> None:
     print(json.dumps(row._asdict()), flush=True)
 
@@ -129,6 +121,7 @@ def _attention_rows(layout: str, head_dims: Sequence[int], names: Sequence[str],
     """Forward and backward of the cases ``names`` at each head dim, with and without rope, in the process's
     layout."""
     from .common import device_target
+    from .tolerance import worst_of
     from .verify import ATTENTION_CASES, INTERPRETER_ATTENTION_CASES, AttentionProblem
 
     device, small = _device_and_size()
@@ -150,7 +143,7 @@ def _attention_rows(layout: str, head_dims: Sequence[int], names: Sequence[str],
             op = f"vision_attn D{head_dim}{' rope' if rope else ''}"
             timing = _attention_timing(head_dim, rope, device) if timed else (None, None)
             for name, comparisons, times in ((op, forward, timing), (f"{op} backward", backward, (None, None))):
-                ratio, passed, note = _worst(comparisons)
+                ratio, passed, note = worst_of(comparisons)
                 yield Row(name, f"head_dim {layout}", len(cases), ratio, passed, note, *times)
 
 
@@ -198,10 +191,11 @@ def _op_rows(timed: bool) -> Iterable[Row]:
     import torch
 
     from .op_cases import OP_CASES
+    from .tolerance import worst_of
 
     device, small = _device_and_size()
     for case in OP_CASES:
-        ratio, passed, note = _worst(case.check(device, torch.bfloat16, small))
+        ratio, passed, note = worst_of(case.check(device, torch.bfloat16, small))
         times = tuple(_time_us(call) for call in case.timed(device, torch.bfloat16)) if timed else (None, None)
         yield Row(case.op, "-", 1, ratio, passed, note, *times)
 

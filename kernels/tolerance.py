@@ -71,6 +71,7 @@ __all__ = [
     "max_error",
     "resolution",
     "scale_of",
+    "worst_of",
 ]
 
 DEFAULT_FACTOR = 2.0
@@ -141,6 +142,15 @@ class Comparison(NamedTuple):
             f" {'within' if self.passed else 'exceeds'} the bound {self.bound:.4g}"
             f" (torch's own error {self.baseline_error:.4g})"
         )
+
+
+def worst_of(comparisons: Sequence[Comparison]) -> tuple[float, bool, str]:
+    """Of several comparisons: the largest error as a share of its bound (at most 1 passes; NaN where an error is NaN;
+    0 for an exact result on a bound of 0), whether all passed, and the first failure's message ("" if none)."""
+    shares = [c.error / c.bound if c.bound > 0 else (0.0 if c.error == 0 else math.inf) for c in comparisons]
+    worst = math.nan if any(math.isnan(share) for share in shares) else max(shares, default=0.0)
+    failure = next((c.message() for c in comparisons if not c.passed), "")
+    return worst, not failure, failure
 
 
 def compare(

@@ -283,10 +283,12 @@ class AttentionProblem:
         self.baseline = attention_baseline(*self.inputs, *self.options)
         self._gradients = None
 
-    def check(self, out: torch.Tensor) -> list[Comparison]:
-        """:func:`attention_comparisons` of ``out``, with the key block of the tiles the launch takes."""
+    def check(self, out: torch.Tensor, block_n: int | None = None) -> list[Comparison]:
+        """:func:`attention_comparisons` of ``out``, with the key block ``block_n`` of the launch that computed it
+        (None: that of the tiles the launch takes by default; the tile sweep's candidates have their own)."""
         q, cu_seqlens = self.inputs[0], self.inputs[3]
-        block_n = key_block(q.shape[-1], q.dtype, self.target, self.max_seqlen)
+        if block_n is None:
+            block_n = key_block(q.shape[-1], q.dtype, self.target, self.max_seqlen)
         return attention_comparisons(out, self.truth, self.baseline, cu_seqlens, block_n, self.logits)
 
     def check_gradients(self, grads: Sequence[torch.Tensor]) -> list[Comparison]:
