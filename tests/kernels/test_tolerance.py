@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from tolerance import compare, worst_of
 
 
