@@ -44,6 +44,7 @@ __all__ = [
     "rotary_in_fp32",
     "segment_bounds",
     "uncancelled_gradient_scales",
+    "where_wrong",
 ]
 
 
@@ -224,8 +225,36 @@ def attention_comparisons(
         eps = default_eps(out.dtype, truth[part], DEFAULT_ULPS)
         wide_scale = max(scale_of(truth[part]), 0.0 if terms is None else scale_of(terms[part]))
         eps += wide * resolution(torch.float32) * wide_scale
-        comparisons.append(compare(out[part], truth[part], baseline[part], eps=eps, what=f"{what} [{start}:{end})"))
+        comparison = compare(out[part], truth[part], baseline[part], eps=eps, what=f"{what} [{start}:{end})")
+        if not comparison.passed and comparison.baseline_agrees:
+            where = where_wrong(out[part], truth[part], comparison.bound)
+            comparison = comparison._replace(what=f"{comparison.what} (off at {where})")
+        comparisons.append(comparison)
     return comparisons
+
+
+def where_wrong(result: torch.Tensor, truth: torch.Tensor, bound: float) -> str:
+    """Where a segment's ``(L, H, D)`` ``result`` is further than ``bound`` from its float64 ``truth`` (NaN is): the
+    rows (counted from the segment's first token), heads and head-dim columns that hold such an error, as index
+    ranges. What tells a kernel's failures apart: a ragged block's rows, a tile's columns, one head."""
+    off = ~((result.double() - truth).abs() <= bound)
+    length, heads, head_dim = off.shape
+    return (
+        f"rows {_index_ranges(off.any(2).any(1))} of {length}, heads {_index_ranges(off.any(2).any(0))} of {heads},"
+        f" columns {_index_ranges(off.any(0).any(0))} of {head_dim}"
+    )
+
+
+def _index_ranges(mask: torch.Tensor, most: int = 6) -> str:
+    """The true indices of a 1-D ``mask`` as ranges, ``"0..3, 8, 64..71"``; beyond ``most`` ranges, their count."""
+    spans: list[list[int]] = []
+    for index in mask.nonzero().flatten().tolist():
+        if spans and spans[-1][1] == index - 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in spans[:most])
+    return text + (f", ... ({len(spans)} ranges)" if len(spans) > most else "") if spans else "none"
 
 
 def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None, rope_theta=10000.0):

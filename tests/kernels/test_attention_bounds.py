@@ -260,3 +260,22 @@ def test_the_kernels_pass_and_wrong_results_fail_on_the_cpu_plan(name, head_dim,
     block_n = verify.key_block(head_dim, q.dtype, INTERPRETER, hint, backward=True)
     exact, wrongs = backward_mutations(q, k, v, cu, grad_out, positions, block_n)
     assert_the_check_bites(problem.check_gradients, cu, list(dqkv.unbind(1)), exact, wrongs)
+
+
+def test_a_failure_says_where_in_its_segment_the_error_sits():
+    """A wrong result's message names the rows (from the segment's start), heads and head-dim columns that are off:
+    here the last two rows of the 257-token segment in one head's tail columns, as a ragged block's tail tile would
+    be; the segments it leaves alone pass."""
+    q, k, v, cu, _, _ = problem_inputs(case(ATTENTION_CASES, "ragged").lengths, 16, 72, False)
+    problem = AttentionProblem(q, k, v, cu, HOPPER)
+    wrong = attend(q, k, v, cu, None)
+    wrong[256:258, 3, 64:72] += 0.5
+    comparisons = problem.check(wrong.to(q.dtype))
+    assert [c.passed for c in comparisons] == [True, False, True, True]
+    where = "(off at rows 255..256 of 257, heads 3 of 16, columns 64..71 of 72)"
+    assert comparisons[1].message().startswith(f"attention [1:258) {where} (bfloat16): error")
+    nan = attend(q, k, v, cu, None).to(q.dtype)
+    nan[0, :, 5] = math.nan
+    assert "(off at rows 0 of 1, heads 0..15 of 16, columns 5 of 72)" in problem.check(nan)[0].message()
+    right = wrong[1:258]
+    assert verify.where_wrong(right, right, 0.0) == "rows none of 257, heads none of 16, columns none of 72"
