@@ -15,6 +15,8 @@
 #      runs in the layout it says the package now takes (QVL_ATTENTION_HEAD_DIM: split or split32 where right, else
 #      padded). Skipped where the caller set QVL_ATTENTION_HEAD_DIM=split|split32|padded (an earlier run's verdict,
 #      the later steps run in that one)                                       check.log, check.json, device.txt
+#   1c. (not --tower) where that check found split or split32 wrong: the failure's shape (bench/diagnose_attention.py:
+#      each launch setting in its own process, where each case is off, racecheck, synccheck)  diagnose.log, .json
 #   2. the attention tile sweep (bench/tune_attention.py) within TUNE_BUDGET_S seconds (default 35, less when the
 #      budget is short); it writes kernels/attention_tiles.json, which the tests and benchmarks after it then use
 #                                                                                       tune.log, attention_tiles.json
@@ -154,6 +156,15 @@ layout_check() {
   fi
 }
 layout_check_skipped() { set_layout padded "the budget left qvl check no time"; }
+# Where the check found a split layout wrong: the failure's shape before anything runs in the layout that is right
+# (bench/diagnose_attention.py: each launch setting in its own process, where in its segment each case is off, then
+# racecheck and synccheck).                                                               diagnose.log, diagnose.json
+diagnose() {
+  [ -f "$out/check.json" ] || return 0
+  phase "split-layout diagnosis" "$1"
+  timeout -k 5 "$1" python3 -m bench.diagnose_attention --from-check "$out/check.json" --timeout-s $(($1 - 10)) \
+    --sanitizer --json "$out/diagnose.json" 2>&1 | tee "$out/diagnose.log" | tail -30
+}
 plan=()
 case "${QVL_ATTENTION_HEAD_DIM:-}" in
   split|split32|padded)
@@ -163,9 +174,10 @@ case "${QVL_ATTENTION_HEAD_DIM:-}" in
     # Padded until the check chooses (what the steps run in should the budget leave the check no time).
     export QVL_ATTENTION_HEAD_DIM=padded
     case "$mode" in
-      --attention) plan=("layout_check 160 60") ;;
-      --full) plan=("layout_check 160 160") ;;
-      *) plan=("layout_check 100 50") ;;
+      --attention) plan=("layout_check 160 60" "diagnose 75 0") ;;
+      --full) plan=("layout_check 160 160" "diagnose 120 120") ;;
+      --tower) plan=("layout_check 100 50") ;;
+      *) plan=("layout_check 100 50" "diagnose 60 0") ;;
     esac
     ;;
 esac

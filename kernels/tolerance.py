@@ -146,11 +146,18 @@ class Comparison(NamedTuple):
 
 def worst_of(comparisons: Sequence[Comparison]) -> tuple[float, bool, str]:
     """Of several comparisons: the largest error as a share of its bound (at most 1 passes; NaN where an error is NaN;
-    0 for an exact result on a bound of 0), whether all passed, and the first failure's message ("" if none)."""
+    0 for an exact result on a bound of 0), whether all passed, and what failed ("" if nothing): the first failure's
+    message, then what each further failure compared (up to five; the count beyond)."""
     shares = [c.error / c.bound if c.bound > 0 else (0.0 if c.error == 0 else math.inf) for c in comparisons]
     worst = math.nan if any(math.isnan(share) for share in shares) else max(shares, default=0.0)
-    failure = next((c.message() for c in comparisons if not c.passed), "")
-    return worst, not failure, failure
+    failed = [c for c in comparisons if not c.passed]
+    if not failed:
+        return worst, True, ""
+    failure = failed[0].message()
+    if len(failed) > 1:
+        more = "; ".join(c.what for c in failed[1:6]) + ("; ..." if len(failed) > 6 else "")
+        failure += f"; {len(failed) - 1} more: {more}"
+    return worst, False, failure
 
 
 def compare(

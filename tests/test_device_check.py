@@ -18,7 +18,14 @@ PYTHON3 = """#!/usr/bin/env bash
 echo "$* | ${QVL_ATTENTION_HEAD_DIM:-unset}" >> "$CALLS"
 [ -n "$HANG_ON" ] && case "$*" in *"$HANG_ON"*) exec sleep 600 ;; esac
 case "$*" in
-  *qvl.kernels.check*) [ -n "$FAKE_VERDICT" ] && echo "from the next process on: head_dim $FAKE_VERDICT (a reason)" ;;
+  *qvl.kernels.check*)
+    [ -n "$FAKE_VERDICT" ] && echo "from the next process on: head_dim $FAKE_VERDICT (a reason)"
+    # With FAKE_CHECK_JSON, the check writes its --json file (what the diagnosis step reads).
+    previous=
+    for word in "$@"; do
+      [ -n "$FAKE_CHECK_JSON" ] && [ "$previous" = --json ] && echo '{}' > "$word"
+      previous="$word"
+    done ;;
   -) cat > /dev/null ;;
 esac
 exit 0
@@ -28,11 +35,18 @@ SANITIZER = '#!/usr/bin/env bash\necho "compute-sanitizer | $QVL_ATTENTION_HEAD_
 
 
 def run_script(
-    tmp_path: Path, mode: str, verdict: str, preset: str = "", budget_s: int | None = None, hang_on: str = ""
+    tmp_path: Path,
+    mode: str,
+    verdict: str,
+    preset: str = "",
+    budget_s: int | None = None,
+    hang_on: str = "",
+    check_json: bool = False,
 ) -> tuple[list[str], Path, Path]:
     """The script's python3 calls (``arguments | layout``), its run folder and the tool's $OUT; ``preset``: the
     caller's QVL_ATTENTION_HEAD_DIM (none by default); ``budget_s``: DEVICE_CHECK_BUDGET_S (the mode's own by
-    default); ``hang_on``: the python3 call containing this string hangs until its timeout kills it."""
+    default); ``hang_on``: the python3 call containing this string hangs until its timeout kills it; ``check_json``:
+    the layout check writes its JSON file."""
     tree, tools, out = tmp_path / "tree", tmp_path / "bin", tmp_path / "out"
     (tree / "bench").mkdir(parents=True)
     shutil.copy(ROOT / "bench" / "device_check.sh", tree / "bench")
@@ -45,7 +59,7 @@ def run_script(
         (tools / name).chmod(0o755)
     calls = tmp_path / "calls.log"
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "CALLS": str(calls), "FAKE_VERDICT": verdict}
-    env.update(OUT=str(out), HANG_ON=hang_on)
+    env.update(OUT=str(out), HANG_ON=hang_on, FAKE_CHECK_JSON="1" if check_json else "")
     env.pop("QVL_ATTENTION_HEAD_DIM", None)
     env.pop("DEVICE_CHECK_BUDGET_S", None)
     if budget_s is not None:
@@ -131,6 +145,20 @@ def test_a_layout_the_caller_set_skips_the_check(tmp_path, preset):
     )
 
 
+@pytest.mark.parametrize("mode, cap", [("", 60), ("--attention", 75)])
+def test_the_diagnosis_reads_the_checks_file_right_after_it(tmp_path, mode, cap):
+    """Where the layout check wrote its JSON, the diagnosis step comes next and reads it (it finds there whether a
+    split layout was wrong), under the step's limit, the rest of the run unchanged; --tower has no diagnosis."""
+    calls, run, _ = run_script(tmp_path, mode, "padded", check_json=True)
+    diagnosis, folder = calls[2].split(" | ")[0], f"bench/results/{run.name}"
+    assert diagnosis.startswith(f"-m bench.diagnose_attention --from-check {folder}/check.json --timeout-s {cap - 10} ")
+    assert diagnosis.endswith(f"--sanitizer --json {folder}/diagnose.json")
+    assert phases(run)[2][0::2] == ("split-layout diagnosis", cap)
+    assert calls[3].startswith("-m bench.tune_attention")
+    calls, run, _ = run_script(tmp_path / "tower", "--tower", "padded", check_json=True)
+    assert not any("diagnose_attention" in call for call in calls)
+
+
 def test_unknown_mode_is_refused(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh"), "--fast"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage: bash bench/device_check.sh" in result.stderr
@@ -159,7 +187,8 @@ def test_a_short_budget_cuts_the_first_step_before_the_later_ones_floors(tmp_pat
 
 def test_a_hanging_step_is_cut_and_the_later_steps_keep_their_floors(tmp_path):
     """The layout check hangs: its timeout ends it (the run goes on padded, no verdict), every later step still runs
-    within the budget, and the tile sweep's own budget shrinks with its limit."""
+    within the budget (but the diagnosis, which keeps no floor: it yields to them), and the tile sweep's own budget
+    shrinks with its limit."""
     calls, run, _ = run_script(tmp_path, "--attention", "split", budget_s=180, hang_on="qvl.kernels.check")
     rows = phases(run)
     check = next(row for row in rows if row[0] == "head-dim layout check")
@@ -167,7 +196,7 @@ def test_a_hanging_step_is_cut_and_the_later_steps_keep_their_floors(tmp_path):
     assert (run / "device.txt").read_text().splitlines()[-1] == (
         "attention head-dim layout: padded (qvl check gave no verdict)"
     )
-    assert not skipped(run)
+    assert [line.split()[1] for line in skipped(run)] in ([], ["diagnose"])
     names = [step for step, _, _ in rows]
     for step in ("tile sweep", "CUDA tests and memcheck", "benchmark attention", "benchmark attention_backward",
                  "benchmark window", "plots", "goals"):  # fmt: skip
@@ -185,7 +214,7 @@ def test_no_budget_skips_every_step_and_says_so(tmp_path):
         "attention head-dim layout: padded (the budget left qvl check no time)"
     )
     steps = [line.split()[1] for line in skipped(run)]
-    assert steps[0] == "layout_check" and steps[-2:] == ["plots", "goals"] and len(steps) == 8, steps
+    assert steps[:2] == ["layout_check", "diagnose"] and steps[-2:] == ["plots", "goals"] and len(steps) == 9, steps
 
 
 def test_a_budget_that_is_not_seconds_is_refused(tmp_path):

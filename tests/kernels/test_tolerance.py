@@ -18,7 +18,7 @@ def test_the_worst_share_of_a_bound_and_the_first_failure():
     assert right.bound > 0 and not wrong.passed and not worse.passed
     worst, passed, failure = worst_of([right, wrong, worse])
     assert worst == worse.error / worse.bound and not passed
-    assert failure == wrong.message() and failure.startswith("b (float32): error 0.5")
+    assert failure == f"{wrong.message()}; 1 more: c" and failure.startswith("b (float32): error 0.5")
     assert worst_of([right]) == (0.0, True, "")
     assert worst_of([]) == (0.0, True, "")
 
