@@ -3,6 +3,8 @@
     python -m bench.bench_encode [--threads 1] [--repeats 5] [--sizes NAME=WxH ...] [--video-seconds 30]
                                  [--photos 16] [--photo-size 1920x1080] [--towers tiny demo] [--rounds 3]
                                  [--json PATH]
+    python -m bench.bench_encode --device cuda [--dtype bfloat16] [--photos 16] [--photo-size WxH] [--rounds 2]
+                                 [--json PATH]
 
 **Preparation** (:func:`preparation_rows`): one photo (decoded pixels in, pixel values out; no decoding, no tower) at
 1920x1080 and 4000x3000, with the Qwen3-VL checkpoints' processor settings (a 1920x1080 photo keeps its size: 68x120
@@ -34,6 +36,12 @@ whose tower costs the same can take, process start aside, and the ceiling on its
 ``--rounds`` rounds, each keeping its best time. Each row's ``qvl speed-up`` is its time over ``qvl encode``'s;
 ``max rel err`` is its first photo's merged features against qvl's; ``qvl encode``'s own count of its encoding (from
 its first input to its last write) and where that time went are printed below the table.
+
+**On a GPU** (``--device``, :func:`device_rows`): ``--photos`` photos through ``qvl encode --device`` (decoding in
+its workers, preparation on the device) with a random-weight tower of Qwen3-VL 8B's shape, against the same tower
+alone on the same inputs, prepared beforehand and packed into the same batches: whether preparation hides behind
+the tower (the goal: ``qvl encode``'s own count at most 1.2x the tower alone's time), and images/s of each. Its
+``--json`` is a report ``bench.goals`` reads.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +241,38 @@ def _qvl_features(folder: Path, number: int) -> torch.Tensor:
         return handle.get_tensor(f"image.{number}.merged")
 
 
+def _photo_folder(root: Path, photos: int, size: tuple[int, int]) -> tuple[Path, list[Path]]:
+    """``photos`` JPEG photos of ``size`` (height, width) in ``root / "photos"``: the folder and their paths."""
+    from PIL import Image
+
+    folder = root / "photos"
+    folder.mkdir(parents=True)
+    paths = [folder / f"{number:03d}.jpg" for number in range(photos)]
+    for number, path in enumerate(paths):
+        Image.fromarray(synthetic_photo(*size, seed=number)).save(path, quality=90)
+    return folder, paths
+
+
+def _qvl_encode(folder: Path, model: Path, outputs: Iterator[Path], *options: str) -> tuple[float, dict]:
+    """``python -m qvl.vit encode folder --model model`` into the next of ``outputs`` with ``options``, timed from
+    process start to exit: its seconds, and its own count of the encoding (``encoding_s``), where that time went
+    (``split``) and its first input's merged features."""
+    output = next(outputs)
+    command = [sys.executable, "-m", "qvl.vit", "encode", str(folder), "--model", str(model), *options]
+    # The interpreter is for tests: a run that inherited it would time Triton's CPU emulation.
+    environment = {**os.environ, "TRITON_INTERPRET": "0"}
+    start = time.perf_counter()
+    result = subprocess.run([*command, "-o", str(output)], env=environment, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"qvl encode failed ({result.returncode}): {result.stderr[-2000:]}")
+    lines = result.stderr.splitlines()
+    encoded = next(line for line in lines if line.startswith("qvl: encoded "))
+    split = next(line for line in lines if line.startswith("qvl: time: "))
+    encoding_s = float(encoded.split(" in ", 1)[1].split(" s,", 1)[0])
+    return seconds, dict(encoding_s=encoding_s, split=split[5:], features=_qvl_features(output, 0))
+
+
 def end_to_end_rows(
     photos: int = 16,
     size: tuple[int, int] = (1080, 1920),
@@ -253,11 +293,7 @@ def end_to_end_rows(
 
     with contextlib.ExitStack() as stack:
         root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-")))
-        folder = root / "photos"
-        folder.mkdir(parents=True)
-        paths = [folder / f"{number:03d}.jpg" for number in range(photos)]
-        for number, path in enumerate(paths):
-            Image.fromarray(synthetic_photo(*size, seed=number)).save(path, quality=90)
+        folder, paths = _photo_folder(root, photos, size)
         options = _qwen3_vl_processing(QWEN3_VL_PREPROCESSOR).image_processor_options()
         processors = {"transformers PIL": Qwen2VLImageProcessorPil(**options)}
         torchvision_processor = _torchvision_image_processor(options)
@@ -267,23 +303,7 @@ def end_to_end_rows(
         for tower in towers:
             model = _checkpoint(root / tower, tower)
             outputs = iter(root / f"{tower}-features-{run}" for run in range(rounds))
-
-            def qvl_encode(tower=tower, outputs=outputs) -> tuple[float, dict]:
-                output = next(outputs)
-                command = [sys.executable, "-m", "qvl.vit", "encode", str(folder), "--model", str(root / tower)]
-                start = time.perf_counter()
-                result = subprocess.run(
-                    [*command, "-o", str(output)], env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True,
-                    text=True,
-                )  # fmt: skip
-                seconds = time.perf_counter() - start
-                if result.returncode != 0:
-                    raise RuntimeError(f"qvl encode failed ({result.returncode}): {result.stderr[-2000:]}")
-                lines = result.stderr.splitlines()
-                encoded = next(line for line in lines if line.startswith("qvl: encoded "))
-                split = next(line for line in lines if line.startswith("qvl: time: "))
-                encoding_s = float(encoded.split(" in ", 1)[1].split(" s,", 1)[0])
-                return seconds, dict(encoding_s=encoding_s, split=split[5:], features=_qvl_features(output, 0))
+            qvl_encode = functools.partial(_qvl_encode, folder, root / tower, outputs)
 
             def transformers_run(processor, model=model) -> tuple[float, dict]:
                 first = None
@@ -325,6 +345,106 @@ def end_to_end_rows(
                     row["max_rel_err"] = max_rel_err(features, reference)
                 rows.append(row)
         return rows
+
+
+# The device rows' tower: Qwen3-VL 8B's (bench_tower.TOWERS), the GPU time preparation has to hide behind.
+DEVICE_TOWER = "8B"
+
+
+def device_rows(
+    photos: int = 16,
+    size: tuple[int, int] = (1080, 1920),
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    rounds: int = 2,
+    root: Path | None = None,
+    config=None,
+) -> list[dict]:
+    """``photos`` photos of ``size`` through ``qvl encode --device device --dtype dtype`` and through the same
+    tower alone on the same inputs (prepared beforehand, packed into the batches ``qvl encode`` forms, each batch's
+    outputs copied to the host as ``qvl encode`` does; the preparation and the load not timed), in ``rounds``
+    rounds of turns, best kept: rows of ``implementation``, ``seconds``, ``images_per_s``; ``qvl encode``'s also
+    ``encoding_s`` (its own count: from its first input to its last write), its ``split``, ``max_rel_err`` (its first
+    photo's merged features against the tower alone's) and ``vs_tower_alone`` (its own count over the tower alone's
+    time; near 1 where decoding and preparation hide behind the tower; :data:`bench.goals.ENCODE_VS_TOWER` the
+    goal), its images/s from its own count. The tower: ``config`` (default: Qwen3-VL 8B's shape, random weights)."""
+    from PIL import Image
+
+    from qvl.vit import VisionTransformer
+    from qvl.vit.checkpoint import save_vision_checkpoint
+    from qvl.vit.encode.loader import Packer, Piece
+    from qvl.vit.encode.options import DEFAULT_BUDGET
+    from qvl.vit.encode.prepare import Preparer
+    from qvl.vit.encode.tower import DTYPES, load_tower, model_kind
+
+    from .bench_tower import TOWERS
+    from .harness import max_rel_err
+
+    config = TOWERS[DEVICE_TOWER] if config is None else config
+    target = torch.device(device)
+    with contextlib.ExitStack() as stack:
+        root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-")))
+        folder, paths = _photo_folder(root, photos, size)
+        model = root / "tower"
+        state = VisionTransformer(config).init_random_weights(0).state_dict()
+        save_vision_checkpoint(model, dataclasses.asdict(config), {k: v.to(DTYPES[dtype]) for k, v in state.items()})
+        (model / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PREPROCESSOR))
+        kind, _, _, processing = model_kind(model)
+        tower = load_tower(model, DTYPES[dtype], target, None, kind)
+        preparer = Preparer(processing, target, fold_images=tower.config.temporal_patch_size > 1)
+        packer, batches = Packer(DEFAULT_BUDGET), []
+        for path in paths:
+            rows, grid = preparer.image(torch.from_numpy(np.asarray(Image.open(path).convert("RGB"))))
+            batches += packer.add(Piece(item=None, grid=grid, rows=rows))
+        batches += packer.flush()
+
+        def synchronize() -> None:
+            if target.type == "cuda":
+                torch.cuda.synchronize(target)
+
+        def tower_alone() -> tuple[float, dict]:
+            synchronize()
+            start = time.perf_counter()
+            merged_on_host = []
+            with torch.no_grad():
+                for batch in batches:
+                    rows = torch.cat([piece.rows for piece in batch]) if len(batch) > 1 else batch[0].rows
+                    merged, deepstack = tower(rows, [piece.grid for piece in batch])
+                    merged_on_host.append([output.cpu() for output in (merged, *deepstack)][0])
+            synchronize()
+            first = batches[0][0].patches // tower.config.spatial_merge_size**2
+            return time.perf_counter() - start, dict(features=merged_on_host[0][:first])
+
+        outputs = iter(root / f"features-{run}" for run in range(rounds))
+        encode = functools.partial(_qvl_encode, folder, model, outputs, "--device", device, "--dtype", dtype)
+        best: dict[str, tuple[float, dict]] = {}
+        for _ in range(rounds):
+            for name, run in (("qvl encode", encode), ("qvl tower alone", tower_alone)):
+                seconds, facts = run()
+                if name not in best or seconds < best[name][0]:
+                    best[name] = seconds, facts
+        (seconds, facts), (alone, alone_facts) = best["qvl encode"], best["qvl tower alone"]
+        encoding_s = facts["encoding_s"]
+        error = max_rel_err(facts["features"].float(), alone_facts["features"].float())
+        return [
+            dict(implementation="qvl encode", seconds=seconds, images_per_s=photos / encoding_s, encoding_s=encoding_s,
+                 split=facts["split"], vs_tower_alone=encoding_s / alone, max_rel_err=error),
+            dict(implementation="qvl tower alone", seconds=alone, images_per_s=photos / alone),
+        ]  # fmt: skip
+
+
+def format_device_rows(rows: Sequence[dict], device: str) -> str:
+    from .goals import ENCODE_VS_TOWER
+
+    encode, alone = rows
+    return "\n".join([
+        f"{'implementation':<18} {'seconds':>8} {'images/s':>9}",
+        f"{'qvl encode':<18} {encode['encoding_s']:>8.2f} {encode['images_per_s']:>9.2f}  its own count"
+        f" ({encode['seconds']:.2f} s from process start to exit), {encode['split']}",
+        f"{'qvl tower alone':<18} {alone['seconds']:>8.2f} {alone['images_per_s']:>9.2f}",
+        f"{device}: qvl encode takes {encode['vs_tower_alone']:.2f}x the tower alone's time on the same inputs"
+        f" (goal: at most {ENCODE_VS_TOWER:g}x); features {encode['max_rel_err']:.1e} from the tower alone's",
+    ])  # fmt: skip
 
 
 def format_rows(rows: Sequence[dict], baseline: str) -> str:
@@ -404,7 +524,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--towers", nargs="+", choices=sorted(E2E_TOWERS), default=["tiny"], help="(default: tiny)")
     parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds, best kept (default: 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and the run's facts as JSON")
+    parser.add_argument(
+        "--device", help="a GPU (cuda, cuda:1): qvl encode on it against its tower alone, Qwen3-VL 8B's shape, instead"
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="the tower's dtype with --device (default: bfloat16)")
     args = parser.parse_args(argv)
+    if args.device is not None:
+        rows = device_rows(args.photos, args.photo_size, args.device, args.dtype, min(args.rounds, 2))
+        print(format_device_rows(rows, args.device))
+        if args.json:
+            height, width = args.photo_size
+            case = f"{args.photos} photos {width}x{height}, {DEVICE_TOWER} {args.dtype}"
+            seconds = [rows[0]["encoding_s"], rows[1]["seconds"]]
+            records = [dict(case=case, impl=row["implementation"], ms=s * 1e3) for row, s in zip(rows, seconds)]
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump(dict(bench="encode", facts=run_facts(), rows=rows, records=records), file, indent=1)
+        return 0
     sizes = PHOTO_SIZES
     if args.sizes:
         sizes = {}

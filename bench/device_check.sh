@@ -34,7 +34,8 @@
 # --tower (issue 31): 1, the tower's CUDA tests (graph replay, sync-free forward, fast launches, the direct calls),
 #   then most wanted first: host time per op, the whole tower (eager, replayed, transformers + SDPA eager), the
 #   bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports, writes nothing;
-#   tune_rows.log, tune_rows.json), rotary, the position table. No attention tile sweep, no memcheck.
+#   tune_rows.log, tune_rows.json), rotary, the position table; qvl encode against its tower alone where time is
+#   left (bench_encode --device; encode.json). No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start and limit (seconds into the call) to
 # phases.txt there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
@@ -248,6 +249,14 @@ kernel_tests() {
   tail -6 "$out/memcheck.log"
 }
 
+# qvl encode on the device against its tower alone on the same inputs (16 photos of 1920x1080, the 8B tower's shape
+# with random weights): whether preparation hides behind the tower.                          encode.json, bench.log
+encode_device() {
+  phase "qvl encode on the device" "$1"
+  timeout -k 5 "$1" python3 -m bench.bench_encode --device cuda --rounds 2 --json "$out/encode.json" 2>&1 \
+    | tee -a "$out/bench.log" | tail -8
+}
+
 rows_sweep() {
   phase "bandwidth-kernel sweep" "$1"
   # As the tile sweep: its budget for candidates, the rest for starting and writing.
@@ -276,7 +285,7 @@ goals() {
 case "$mode" in
   --tower) plan+=(
     "tower_tests 75 35" "bench_module 40 20 host" "tower_eager 120 50" "bench_module 50 20 merger"
-    "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
+    "encode_device 60 0" "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
   --attention) plan+=(
     "tile_sweep 55 25" "kernel_tests 90 40" "attention_no_flex 90 40 attention"
     "attention_no_flex 60 25 attention_backward" "attention_no_flex 30 15 window" ) ;;

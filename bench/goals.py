@@ -17,8 +17,8 @@ its fastest non-qvl row):
 * Qwen2.5-VL windows (D 80, 64-token windows): ``qvl`` >= 1.5x ``varlen_attn``;
 * forward + backward on single images of S >= 4,096: >= 1.2x the best peer (``qvl+rope`` at D 72, ``qvl`` at D 64).
 
-Tower (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``, ``bench_pos_embed``: the ``--tower``
-run of ``bench/device_check.sh`` writes them all; Qwen3-VL 8B's tower):
+Tower (``bench_host``, ``bench_tower``, ``bench_merger``, ``bench_rotary``, ``bench_pos_embed``, ``bench_encode``:
+the ``--tower`` run of ``bench/device_check.sh`` writes them all; Qwen3-VL 8B's tower):
 
 * host time per call: ``vision_attn`` <= 30 µs, every other op <= 20 µs (``bench_host``'s ``qvl`` row: the op as a
   user calls it; the ``qvl direct`` row, what the towers' layers call in eager inference, is shown beside it);
@@ -29,7 +29,9 @@ run of ``bench/device_check.sh`` writes them all; Qwen3-VL 8B's tower):
 * bandwidth kernels: each >= 85 % of a copy of its bytes at the tower's sizes (16,384 x 1,152; 4,096 x 4,608;
   16,384 x 4,304), never slower than eager torch or its ``torch.compile`` at any benchmarked size; the mergers >=
   eager at 1,024 tokens; the rotary and the position table >= 85 % of a copy from 4,096 tokens on and never slower
-  than transformers' eager or compiled code. These judge the kernels, so they compare GPU time alone (the rows'
+  than transformers' eager or compiled code; ``qvl encode`` on the device (``bench_encode --device``: its own count,
+  decoding and preparation included) within 1.2x of the same tower alone on the same inputs. The kernel goals judge
+  the kernels, so they compare GPU time alone (the rows'
   ``device_ms``) where both rows have it: a few-µs kernel's do_bench time is the host's launch time, which the
   host-time goals judge. The wall-time ratio is printed beside it; a run without device times is judged on wall.
 """
@@ -52,6 +54,8 @@ TOWER_EAGER = {"1 img 1024x1024": 1.4, "8 imgs mixed": 1.6, "video 16 frames 512
 ONE_IMAGE = "1 img 1024x1024"
 SMALL_IMAGES = "4 imgs 448x448"
 ONE_IMAGE_GPU_MS = 13.0
+# qvl encode's own count on a GPU over the same tower alone on the same inputs (bench_encode --device).
+ENCODE_VS_TOWER = 1.2
 TRAINING = 1.3
 REPLAY_SMALL = 1.3
 VS_COMPILED = 1.3
@@ -177,6 +181,15 @@ def tower_goals(run: Run) -> Iterator[Verdict]:
         ratios = [r for r in (_ratio(compiled, row(workload, impl)) for impl in QVL_TOWERS) if r is not None]
         best = max(ratios) if ratios and compiled is not None else None
         yield _at_least(f"qvl's best vs hf sdpa compiled, {workload}: >= {VS_COMPILED}x", best, VS_COMPILED)
+    encode = run.rows("encode")
+    goal = f"qvl encode vs its tower alone: <= {ENCODE_VS_TOWER}x"
+    cases = dict.fromkeys(case for case, _ in encode)
+    if not cases:
+        yield Verdict(f"{goal} (bench_encode --device)", "-", None)
+    for case in cases:
+        ratio = _ratio(encode.get((case, "qvl encode")), encode.get((case, "qvl tower alone")))
+        measured, met = ("-", None) if ratio is None else (f"{ratio:.3f}x", ratio <= ENCODE_VS_TOWER)
+        yield Verdict(f"{goal}, {case}", measured, met)
 
 
 def _kernel_verdict(goal: str, mine: dict | None, theirs: dict | None, target: float) -> Verdict:

@@ -4,7 +4,9 @@ processors and tower), and the command line's JSON."""
 
 import json
 
-from bench import bench_encode
+import torch
+
+from bench import bench_encode, harness
 
 
 def test_preparation_rows_time_every_implementation():
@@ -40,3 +42,20 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "qvl folded" in capsys.readouterr().out
     results = json.loads(path.read_text())
     assert sorted(results) == ["facts", "preparation"] and results["facts"]["cores"] >= 1
+
+
+def test_device_rows_time_qvl_encode_against_its_tower_alone(tmp_path):
+    """The GPU figure's path on the CPU (a tiny tower, float32): qvl encode's own count against the same tower on
+    the same inputs in the same batches, and their features agree."""
+    from qvl.vit import VisionConfig
+
+    config = VisionConfig(**bench_encode.E2E_TOWERS["tiny"])
+    rows = bench_encode.device_rows(2, (64, 96), "cpu", "float32", rounds=1, root=tmp_path, config=config)
+    encode, alone = rows
+    assert (encode["implementation"], alone["implementation"]) == ("qvl encode", "qvl tower alone")
+    assert 0 < encode["encoding_s"] < encode["seconds"] and alone["seconds"] > 0
+    assert encode["vs_tower_alone"] == encode["encoding_s"] / alone["seconds"]
+    assert encode["images_per_s"] == 2 / encode["encoding_s"] and encode["split"].startswith("time: decoding")
+    assert harness.agrees(encode["max_rel_err"], torch.float32)
+    text = bench_encode.format_device_rows(rows, "cpu")
+    assert f"cpu: qvl encode takes {encode['vs_tower_alone']:.2f}x the tower alone's time" in text

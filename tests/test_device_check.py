@@ -109,6 +109,7 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
     if mode == "--tower":
         assert not any("tune_attention" in step or step.startswith("compute-sanitizer") for step in steps)
         assert any(step.startswith("-m bench.tune_rows") for step in steps)
+        assert f"-m bench.bench_encode --device cuda --rounds 2 --json bench/results/{run.name}/encode.json" in steps
     else:
         assert steps[0].startswith("-m bench.tune_attention")
         assert any(step.startswith("compute-sanitizer") for step in steps)
