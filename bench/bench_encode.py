@@ -527,7 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", help="a GPU (cuda, cuda:1): qvl encode on it against its tower alone, Qwen3-VL 8B's shape, instead"
     )
-    parser.add_argument("--dtype", default="bfloat16", help="the tower's dtype with --device (default: bfloat16)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+        help="the tower's dtype with --device (default: bfloat16)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.device is not None:
         rows = device_rows(args.photos, args.photo_size, args.device, args.dtype, min(args.rounds, 2))
