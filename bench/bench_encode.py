@@ -533,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.device is not None:
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: torch sees no CUDA device here")
         rows = device_rows(args.photos, args.photo_size, args.device, args.dtype, min(args.rounds, 2))
         print(format_device_rows(rows, args.device))
         if args.json:
