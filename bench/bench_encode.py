@@ -64,6 +64,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .goals import ENCODE_VS_TOWER
+
 PHOTO_SIZES = {"1920x1080": (1080, 1920), "4000x3000": (3000, 4000)}
 
 
@@ -410,7 +412,8 @@ def device_rows(
                 for batch in batches:
                     rows = torch.cat([piece.rows for piece in batch]) if len(batch) > 1 else batch[0].rows
                     merged, deepstack = tower(rows, [piece.grid for piece in batch])
-                    merged_on_host.append([output.cpu() for output in (merged, *deepstack)][0])
+                    on_host = [output.cpu() for output in (merged, *deepstack)]  # every output, as qvl encode
+                    merged_on_host.append(on_host[0])
             synchronize()
             first = batches[0][0].patches // tower.config.spatial_merge_size**2
             return time.perf_counter() - start, dict(features=merged_on_host[0][:first])
@@ -434,8 +437,6 @@ def device_rows(
 
 
 def format_device_rows(rows: Sequence[dict], device: str) -> str:
-    from .goals import ENCODE_VS_TOWER
-
     encode, alone = rows
     return "\n".join([
         f"{'implementation':<18} {'seconds':>8} {'images/s':>9}",

@@ -36,11 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from qvl.kernels.attention import TILE_KEYS
+from qvl.kernels.check import start_worker, worker_output
+
 CASES = ("ragged", "lone-33", "300")
 LAYOUTS = ("split", "split32")
 HEAD_DIMS = (72, 80)
-TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DESCRIPTORS")
-# Workers run ``python -m bench.diagnose_attention`` from the repository's root, wherever the parent was started.
+# Workers run ``python -m bench.diagnose_attention``: the repository's root on their path, wherever the parent ran.
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,7 +113,8 @@ def run_variant(head_dim: int, tiles: dict, small: bool = False) -> None:
 # The parent.
 # --------------------------------------------------------------------------------------------------------------
 def _environment(layout: str) -> dict[str, str]:
-    return {**os.environ, "QVL_ATTENTION_HEAD_DIM": layout, "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "QVL_ATTENTION_HEAD_DIM": layout, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
 def _worker_command(head_dim: int, tiles: dict, small: bool = False) -> list[str]:
@@ -134,21 +137,6 @@ def base_tiles(layout: str, head_dim: int) -> tuple[dict, bool]:
     return {key: config[key] for key in TILE_KEYS}, attention.tma_capable(target)
 
 
-def _read(process: subprocess.Popen, deadline: float) -> tuple[str, str | None]:
-    try:
-        stdout, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, _ = process.communicate()
-        return stdout, "hung: no end within the time limit (killed)"
-    if process.returncode == 0:
-        return stdout, None
-    code = process.returncode
-    status = f"signal {-code}" if code < 0 else f"exit status {code}"
-    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "no message")
-    return stdout, f"crashed ({status}): {last.strip()[:300]}"
-
-
 def diagnose(
     layouts: Sequence[str], head_dims: Sequence[int], timeout_s: float, plans: dict | None = None
 ) -> list[Result]:
@@ -165,12 +153,10 @@ def diagnose(
                 tiles_list = variants(*base_tiles(layout, head_dim))
             for tiles in tiles_list:
                 command = _worker_command(head_dim, tiles)
-                process = subprocess.Popen(command, env=_environment(layout), cwd=ROOT, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)  # fmt: skip
-                started.append((layout, head_dim, tiles, process))
+                started.append((layout, head_dim, tiles, start_worker(command, _environment(layout))))
     results = []
     for layout, head_dim, tiles, process in started:
-        stdout, failure = _read(process, deadline)
+        stdout, failure = worker_output(process, deadline)
         cases = {}
         for line in stdout.splitlines():
             with contextlib.suppress(ValueError, KeyError):  # a worker that died mid-line leaves part of one
@@ -190,8 +176,7 @@ def sanitize(layout: str, head_dim: int, tiles: dict, timeout_s: float) -> dict[
     for name in ("racecheck", "synccheck"):
         command = [tool, "--tool", name, "--error-exitcode", "1", *_worker_command(head_dim, tiles, small=True)]
         try:
-            done = subprocess.run(command, env=_environment(layout), cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout_s)  # fmt: skip
+            done = subprocess.run(command, env=_environment(layout), capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             found[name] = "hung: no end within the time limit"
             continue

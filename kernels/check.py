@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-__all__ = ["Outcome", "Row", "main", "run_check", "run_worker", "verdicts_from"]
+__all__ = ["Outcome", "Row", "main", "run_check", "run_worker", "start_worker", "verdicts_from", "worker_output"]
 
 LAYOUTS = ("padded", "split", "split32")
 # The attention cases by name (qvl.kernels.verify.ATTENTION_CASES; the interpreter's sizes on a CPU).
@@ -278,21 +278,26 @@ def start_worker(command: Sequence[str], env: dict[str, str]) -> subprocess.Pope
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish_worker(process: subprocess.Popen, deadline: float) -> Outcome:
-    """The rows of a started worker and its failure where it exited non-zero (a fault: the signal or status and
-    its last error line) or was still running at ``deadline`` (``time.monotonic()``; then killed)."""
+def worker_output(process: subprocess.Popen, deadline: float) -> tuple[str, str | None]:
+    """A started worker's stdout, and its failure where it exited non-zero (a fault: the signal or status and its
+    last error line) or was still running at ``deadline`` (``time.monotonic()``; then killed)."""
     try:
         stdout, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        failure = None
-        if process.returncode != 0:
-            code = process.returncode
-            status = f"signal {-code}" if code < 0 else f"exit status {code}"
-            last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "no message")
-            failure = f"crashed ({status}): {last.strip()[:300]}"
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, _ = process.communicate()
-        failure = "hung: no end within the time limit (killed)"
+        return stdout, "hung: no end within the time limit (killed)"
+    if process.returncode == 0:
+        return stdout, None
+    code = process.returncode
+    status = f"signal {-code}" if code < 0 else f"exit status {code}"
+    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "no message")
+    return stdout, f"crashed ({status}): {last.strip()[:300]}"
+
+
+def finish_worker(process: subprocess.Popen, deadline: float) -> Outcome:
+    """The rows of a started worker and its failure (:func:`worker_output`)."""
+    stdout, failure = worker_output(process, deadline)
     rows = []
     for line in stdout.splitlines():
         with contextlib.suppress(ValueError, TypeError):  # a worker that died mid-line leaves part of one
