@@ -14,7 +14,15 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["qvl.kernels", "qvl.kernels.attention", "qvl.vit", "qvl.vit.encode"],
+    packages=[
+        "qvl.kernels",
+        "qvl.kernels.attention",
+        "qvl.vit",
+        "qvl.vit.encode",
+        "qvl.vit.engines",
+        "qvl.vit.engines.vllm",
+        "qvl.vit.engines.sglang",
+    ],
     package_dir={"qvl.kernels": "kernels", "qvl.vit": "vit"},
     # the tuned attention tiles launch_config reads; the device verdicts the defaults follow
     package_data={"qvl.kernels": ["attention_tiles.json", "device_verdicts.json"]},
@@ -51,9 +59,11 @@ setup(
     },
     entry_points={
         "console_scripts": ["qvl = qvl.vit.cli:main"],
-        # vLLM calls this in each of its processes; it imports nothing from vLLM until then (qvl.vit.vllm_plugin).
-        "vllm.general_plugins": ["qvl = qvl.vit.vllm_plugin:register"],
-        # SGLang calls this in each of its processes (qvl.vit.sglang_plugin); it imports nothing from SGLang until then.
-        "sglang.srt.plugins": ["qvl = qvl.vit.sglang_plugin:register"],
+        # vLLM calls this in each of its processes; the module imports nothing from vLLM until then. (Until the next
+        # release qvl.vit.vllm_plugin:register, the path before vit/engines/, still works for environments that
+        # have not reinstalled qvl; likewise qvl.vit.sglang_plugin.)
+        "vllm.general_plugins": ["qvl = qvl.vit.engines.vllm.plugin:register"],
+        # SGLang calls this in each of its processes; the module imports nothing from SGLang until then.
+        "sglang.srt.plugins": ["qvl = qvl.vit.engines.sglang.plugin:register"],
     },
 )

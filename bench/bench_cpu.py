@@ -2,7 +2,7 @@
 and ``tower.compile()``: Inductor's C++ backend) against transformers' ``Qwen3VLVisionModel`` with SDPA and, where
 ``vllm`` imports, vLLM's own CPU tower (``Qwen3_VisionTransformer`` built in this process, its linears packed for
 oneDNN as vLLM's loader leaves them, without qvl's plugin) and the same tower run by qvl's vLLM tower route
-("vLLM + qvl", forced on: what :mod:`qvl.vit.cpu_path`'s measured table records); likewise, where ``sglang``
+("vLLM + qvl", forced on: what :mod:`qvl.vit.engines.cpu_path`'s measured table records); likewise, where ``sglang``
 imports, SGLang's own CPU tower (``Qwen3VLMoeVisionModel`` with its sdpa ViT backend) and "SGLang + qvl".
 
     python -m bench.bench_cpu [--dtype fp32|bf16] [--quick] [--json PATH]
@@ -150,7 +150,7 @@ def vllm_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False) 
     CPU decision rests on)."""
     if importlib.util.find_spec("vllm") is None:
         raise harness.Unavailable("vllm is not installed")
-    from qvl.vit import cpu_path
+    from qvl.vit.engines import cpu_path
 
     from .vllm_inprocess import model_config_of, vllm_tower_of
 
@@ -158,7 +158,7 @@ def vllm_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False) 
     if qvl_route:
         from types import SimpleNamespace
 
-        from qvl.vit import vllm_tower
+        from qvl.vit.engines.vllm import tower as vllm_tower
         from qvl.vit.families import family_of
 
         model = SimpleNamespace(visual=visual, use_data_parallel=False)
@@ -176,14 +176,14 @@ def sglang_run(reference: nn.Module, dtype: torch.dtype, qvl_route: bool = False
     plugin applies them (forced on: the measurement the routes' CPU decision rests on)."""
     if importlib.util.find_spec("sglang") is None:
         raise harness.Unavailable("sglang is not installed")
-    from qvl.vit import cpu_path
+    from qvl.vit.engines import cpu_path
 
     from .sglang_inprocess import sglang_model_of
 
     model = sglang_model_of(reference, dtype)
     if qvl_route:
-        from qvl.vit import sglang_plugin
-        from qvl.vit.engine_tower import EngineTowerForward
+        from qvl.vit.engines.sglang import plugin as sglang_plugin
+        from qvl.vit.engines.tower import EngineTowerForward
 
         with cpu_path.forced_routes(True):
             done = sglang_plugin.apply(model, reference.config)

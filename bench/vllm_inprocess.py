@@ -74,7 +74,7 @@ def vllm_tower_of(hf_model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
 
 
 def model_config_of(hf_config, *, compile_mm_encoder: bool = False, quant_config=None) -> SimpleNamespace:
-    """The parts of a ``VllmConfig`` that :func:`qvl.vit.vllm_tower.attach` reads, for a model whose (vision)
+    """The parts of a ``VllmConfig`` that :func:`qvl.vit.engines.vllm.tower.attach` reads, for a model whose (vision)
     config is ``hf_config``."""
     return SimpleNamespace(
         quant_config=quant_config,

@@ -1,6 +1,7 @@
 """Packaging facts: import names, no heavy work at import, no second copy of the ops."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -55,11 +56,11 @@ def test_vllm_plugin_is_declared_and_harmless_without_vllm():
     out = run_python(
         "import sys, importlib.metadata as md;"
         "ep, = [e for e in md.entry_points(group='vllm.general_plugins') if e.name == 'qvl'];"
-        "from qvl.vit import vllm_plugin; has_vllm = 'vllm' in sys.modules;"
-        "ep.load()(); state = vllm_plugin.state();"
+        "from qvl.vit.engines.vllm import plugin; has_vllm = 'vllm' in sys.modules;"
+        "ep.load()(); state = plugin.state();"
         "print(ep.value, has_vllm, state['attention'], 'vLLM is not importable' in state['reason'])"
     )
-    assert out == "qvl.vit.vllm_plugin:register False False True"
+    assert out == "qvl.vit.engines.vllm.plugin:register False False True"
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -93,8 +94,7 @@ def test_no_import_cycle_between_qvl_modules():
     imports = module_imports()
     graph = {name: {other for other in found if other in imports and other != name} for name, found in imports.items()}
     # A package's __init__ re-exports its modules; the cycle that matters is between modules.
-    graph = {name: {o for o in deps if not (o in ("qvl.kernels", "qvl.vit") and name.startswith(o + "."))}
-             for name, deps in graph.items()}  # fmt: skip
+    graph = {name: {o for o in deps if not name.startswith(o + ".")} for name, deps in graph.items()}
     visiting, done = [], set()
 
     def visit(name):
@@ -111,16 +111,97 @@ def test_no_import_cycle_between_qvl_modules():
         visit(name)
 
 
+def within(module: str, package: str) -> bool:
+    """Whether ``module`` is ``package`` or one of its submodules."""
+    return module == package or module.startswith(package + ".")
+
+
+ENGINES = "qvl.vit.engines"
+# Each engine's subpackage -> the other engine's subpackage and the other engine's own package.
+ENGINE_SIDES = {f"{ENGINES}.vllm": (f"{ENGINES}.sglang", "sglang"), f"{ENGINES}.sglang": (f"{ENGINES}.vllm", "vllm")}
+# The old module paths from before the engines' move to qvl.vit.engines, kept for one release as re-exports of the
+# new modules (vit/vllm_plugin.py, vit/sglang_plugin.py: the entry points' old targets; vit/cpu_path.py: docs named
+# it): the only modules outside qvl.vit.engines that import it, and imported by nothing.
+DEPRECATED_PATHS = {
+    "qvl.vit.vllm_plugin": f"{ENGINES}.vllm.plugin",
+    "qvl.vit.sglang_plugin": f"{ENGINES}.sglang.plugin",
+    "qvl.vit.cpu_path": f"{ENGINES}.cpu_path",
+}
+
+
+def tower_core(name: str) -> bool:
+    """Whether ``name`` is a module of qvl.vit's tower core: qvl.vit outside qvl.vit.engines and the old paths."""
+    return within(name, "qvl.vit") and not within(name, ENGINES) and name not in DEPRECATED_PATHS
+
+
 def test_floors_import_only_downwards():
     """kernels/ is single-device (no torch.distributed, nothing of qvl.vit or bench); vit/ knows nothing of
-    bench; the balancer is pure (no torch.distributed)."""
+    bench; the balancer is pure (no torch.distributed). Inside vit/, the engines (qvl.vit.engines) build on the tower
+    core, which imports nothing of them; neither engine's subpackage imports the other's (or the other engine), what
+    they share (qvl.vit.engines.tower, .routes, .cpu_path) imports neither, and the engine packages' ``__init__``
+    import nothing (importing a plugin module stays light). No module imports a deprecated old path."""
     imports = module_imports()
     for name, found in imports.items():
         if name.startswith("qvl.kernels"):
             assert not {m for m in found if m.startswith(("torch.distributed", "qvl.vit", "bench"))}, name
         if name.startswith("qvl.vit"):
             assert not {m for m in found if m.startswith("bench")}, name
+        if tower_core(name):
+            assert not {m for m in found if within(m, ENGINES)}, name
+        if within(name, ENGINES):
+            sides = [side for side in ENGINE_SIDES if within(name, side)]
+            shared = [*ENGINE_SIDES, *(engine for _, engine in ENGINE_SIDES.values())]
+            barred = ENGINE_SIDES[sides[0]] if sides else shared
+            assert not {m for m in found if any(within(m, other) for other in barred)}, name
+        assert not found & DEPRECATED_PATHS.keys(), name
     assert not {m for m in imports["qvl.vit.balance"] if m.startswith("torch")}
+    assert not imports[ENGINES] and not any(imports[side] for side in ENGINE_SIDES)
+
+
+def test_tower_core_loads_nothing_of_the_engines():
+    """Importing every module of the tower core loads no module of qvl.vit.engines (an import by a string,
+    importlib's, would show here and not in the import statements test_floors_import_only_downwards reads)."""
+    modules = sorted(n for n in module_imports() if tower_core(n) and not n.endswith(".__main__"))
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    code += f"print(sorted(m for m in sys.modules if m.startswith({ENGINES!r})))"
+    assert run_python(code, *modules) == "[]"
+
+
+OLD_PATHS_CHECK = """
+import importlib, importlib.metadata, json, sys, warnings
+import torch  # torch's own import-time warnings are not what this counts
+paths = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+report = {}
+for old, new in paths.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    target = importlib.import_module(new)
+    report[old] = {
+        "names": sorted(module.__all__) == sorted(target.__all__),
+        "same": all(getattr(module, n) is getattr(target, n) for n in target.__all__),
+        "warned": [w.category.__name__ for w in caught if "qvl.vit" in str(w.message)],
+    }
+# An environment installed before the move keeps the old entry points until qvl is reinstalled.
+for group, old in (("vllm.general_plugins", "qvl.vit.vllm_plugin"), ("sglang.srt.plugins", "qvl.vit.sglang_plugin")):
+    entry = importlib.metadata.EntryPoint("qvl", f"{old}:register", group)
+    report[old]["entry_point"] = entry.load() is importlib.import_module(paths[old]).register
+print(json.dumps(report))
+"""
+
+
+def test_deprecated_old_paths_re_export_the_new():
+    """The old module paths (one release) hold their new modules' public names, the same objects (the plugins' state
+    is one), and the old entry points still load the plugins' hooks. The plugin modules import without a warning (in
+    an environment installed before the move, vLLM and SGLang import them in every process they start), the CPU rule
+    with a DeprecationWarning."""
+    args = [path for pair in DEPRECATED_PATHS.items() for path in pair]
+    report = json.loads(run_python(OLD_PATHS_CHECK, *args))
+    for old in DEPRECATED_PATHS:
+        assert report[old]["names"] and report[old]["same"], (old, report[old])
+    assert report["qvl.vit.vllm_plugin"] == {"names": True, "same": True, "warned": [], "entry_point": True}
+    assert report["qvl.vit.sglang_plugin"] == {"names": True, "same": True, "warned": [], "entry_point": True}
+    assert report["qvl.vit.cpu_path"]["warned"] == ["DeprecationWarning"]
 
 
 PUBLIC_NAMES_CHECK = """

@@ -10,8 +10,9 @@ transformers').
 
 Every entry point looks the family up here: ``patch_model`` (:mod:`qvl.vit.hf_patch`), ``load_tower`` /
 ``tower_from_hf`` (:mod:`qvl.vit.towers`), the towers' ``from_hf`` / ``from_pretrained``, ``qvl encode``
-(:mod:`qvl.vit.cli`) and the vLLM and SGLang plugins (:mod:`qvl.vit.vllm_tower`, :mod:`qvl.vit.sglang_tower`). A
-family of the same tower kinds (a fine-tune under a model type of its own) is served by :func:`register` alone.
+(:mod:`qvl.vit.cli`) and the vLLM and SGLang plugins (:mod:`qvl.vit.engines.vllm.tower`,
+:mod:`qvl.vit.engines.sglang.tower`). A family of the same tower kinds (a fine-tune under a model type of its own) is
+served by :func:`register` alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One tower forward over any module tree: host metadata -> device forward -> outputs.
 
 Every tower qvl runs, of every family and under every entry point (its own tower classes, a transformers model
-patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.vllm_tower`), goes through
+patched by :mod:`qvl.vit.hf_patch`, vLLM's modules in :mod:`qvl.vit.engines.vllm.tower`), goes through
 :class:`TowerRunner`:
 
 * **host part** (:meth:`TowerRunner.metadata`): ``grid_thw`` -> :class:`~qvl.vit.metadata.VisionMetadata`, built

@@ -52,7 +52,7 @@ def _current_report() -> dict | None:
     ``sys.modules`` while its body runs, and a read then raises AttributeError ("partially initialized module"; seen
     polling during its import on a loaded machine), which would end the reporting thread and leave the process
     without a report: the likely cause of one CI run's two-rank dp_encoder failure (one scheduler report of two)."""
-    plugin = sys.modules.get("qvl.vit.sglang_plugin")
+    plugin = sys.modules.get("qvl.vit.engines.sglang.plugin")
     if plugin is None:
         return None
     try:

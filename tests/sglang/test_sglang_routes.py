@@ -10,11 +10,13 @@ import sys
 import pytest
 import torch
 
-import qvl.vit
+import qvl.vit.engines.sglang
 from bench.sglang_inprocess import sglang_model_of, sglang_world
 from qvl.kernels.verify import attention_truth
-from qvl.vit import sglang_attention, sglang_plugin, sglang_tower
-from qvl.vit.engine_tower import EngineTowerForward
+from qvl.vit.engines.sglang import attention as sglang_attention
+from qvl.vit.engines.sglang import plugin as sglang_plugin
+from qvl.vit.engines.sglang import tower as sglang_tower
+from qvl.vit.engines.tower import EngineTowerForward
 from tolerance import assert_error_within
 from towers import (
     MODEL_STAGES,
@@ -257,8 +259,9 @@ def test_qwen2_family_towers_match_sglang_and_float64(name):
 
 
 def test_routes_step_aside_on_a_cpu_where_qvl_was_not_measured_faster(monkeypatch):
-    """qvl.vit.cpu_path's default: SGLang's own vision code runs on a CPU unless qvl's route was measured to win."""
-    from qvl.vit import cpu_path
+    """qvl.vit.engines.cpu_path's default: SGLang's own vision code runs on a CPU unless qvl's route was measured to
+    win."""
+    from qvl.vit.engines import cpu_path
 
     hf_vision = hf_vision_model(seed=5, **SIZES)
     model = sglang_model_of(hf_vision, torch.float32)
@@ -281,8 +284,8 @@ def test_routes_that_do_not_import_leave_sglang_serving(monkeypatch):
     model to SGLang, with the reason."""
     hf_vision = hf_vision_model(seed=1, **SIZES)
     model = sglang_model_of(hf_vision, torch.float32)
-    monkeypatch.delattr(qvl.vit, "sglang_attention", raising=False)
-    monkeypatch.setitem(sys.modules, "qvl.vit.sglang_attention", None)
+    monkeypatch.delattr(qvl.vit.engines.sglang, "attention", raising=False)
+    monkeypatch.setitem(sys.modules, "qvl.vit.engines.sglang.attention", None)
     with mode("all"):
         done = sglang_plugin.apply(model, hf_vision.config)
     assert done["tower"].startswith("qvl's SGLang routes did not import (ModuleNotFoundError")

@@ -1,12 +1,12 @@
-"""qvl.vit.cpu_path: whether an engine plugin's routes take vision work on a CPU (measured table, switch)."""
+"""qvl.vit.engines.cpu_path: whether an engine plugin's routes take vision work on a CPU (measured table, switch)."""
 
 import os
 
 import pytest
 import torch
 
-from qvl.vit import cpu_path
-from qvl.vit.cpu_path import SWITCH, Measurement, cpu_route_decision, forced_routes
+from qvl.vit.engines import cpu_path
+from qvl.vit.engines.cpu_path import SWITCH, Measurement, cpu_route_decision, forced_routes
 
 FASTER = Measurement(0.8, "cpu-example-2026-12-03.txt")
 SLOWER = Measurement(1.3, "cpu-example-2026-12-03.txt")

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from qvl.vit import sglang_plugin
+from qvl.vit.engines.sglang import plugin as sglang_plugin
 
 # A spec without origin is the tests/sglang folder, seen as a namespace package (tests/ is on sys.path).
 _SGLANG = importlib.util.find_spec("sglang")
@@ -26,5 +26,5 @@ def test_plugin_module_imports_no_sglang():
     import subprocess
     import sys
 
-    code = "import sys, qvl.vit.sglang_plugin; print(any(m.split('.')[0] == 'sglang' for m in sys.modules))"
+    code = "import sys, qvl.vit.engines.sglang.plugin; print(any(m.split('.')[0] == 'sglang' for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

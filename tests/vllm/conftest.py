@@ -20,12 +20,12 @@ runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecus
 
 from checkpoints import make_qwen2_5_vl, make_qwen2_vl, make_qwen3_vl  # noqa: E402
 from engine import run_engine  # noqa: E402,F401  (here too for tests that look for it in conftest)
-from qvl.vit.cpu_path import SWITCH  # noqa: E402
+from qvl.vit.engines.cpu_path import SWITCH  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def routes_on_cpu(monkeypatch):
-    """These tests check what qvl's routes do on this CPU, so they take vision work whatever qvl.vit.cpu_path's
+    """These tests check what qvl's routes do on this CPU, so they take vision work whatever qvl.vit.engines.cpu_path's
     measured table says (tests that check the step-aside decision set the switch themselves)."""
     monkeypatch.setenv(SWITCH, "on")
 

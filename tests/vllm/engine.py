@@ -115,7 +115,7 @@ def worker_info(worker) -> dict:
     import os
     import sys
 
-    plugin = sys.modules.get("qvl.vit.vllm_plugin")
+    plugin = sys.modules.get("qvl.vit.engines.vllm.plugin")
     return {
         "pid": os.getpid(),
         "qvl": None

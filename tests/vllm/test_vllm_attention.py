@@ -1,4 +1,4 @@
-"""qvl's out-of-tree MMEncoderAttention (qvl.vit.vllm_attention), in process, against vLLM's own layer (its
+"""qvl's out-of-tree MMEncoderAttention (qvl.vit.engines.vllm.attention), in process, against vLLM's own layer (its
 SDPA path, the CPU backend) and a float64 run of that layer; its fallbacks; its compiled form."""
 
 import contextlib
@@ -11,8 +11,8 @@ from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderA
 from inprocess import vllm_world
 from qvl.kernels import verify
 from qvl.kernels.common import device_target, force_backend
-from qvl.vit import vllm_routes
-from qvl.vit.vllm_attention import QvlEncoderAttention
+from qvl.vit.engines.vllm import routes as vllm_routes
+from qvl.vit.engines.vllm.attention import QvlEncoderAttention
 from towers import cu_seqlens_of
 
 # Segment lengths with an empty one, one of a single token and one over a 64-key block.
@@ -130,7 +130,7 @@ def test_compiles_whole_without_recompiles():
 def test_vllm_max_seqlen_becomes_the_tile_hint():
     """Qwen2.5-VL's windows with vLLM's CPU-side max_seqlen (its flash backends fill it): the op gets it as its
     tile hint (64-token windows run on 64-row tiles) and the result is unchanged by the tolerance rule."""
-    from qvl.vit.routes import host_tile_hint
+    from qvl.vit.engines.routes import host_tile_hint
 
     assert host_tile_hint(torch.tensor(64, dtype=torch.int32), tracing=False) == 64
     assert host_tile_hint(torch.tensor(0), tracing=False) is None  # vLLM's CPU backend leaves it 0

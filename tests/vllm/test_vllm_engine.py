@@ -26,7 +26,8 @@ from engine import run_engine
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 INTERPRETER = {"TRITON_INTERPRET": "1"}
 TORCH_PATH = {"TRITON_INTERPRET": "0"}
-# The engines check what qvl's routes do on this CPU: they take vision work whatever qvl.vit.cpu_path's table says.
+# The engines check what qvl's routes do on this CPU: they take vision work whatever qvl.vit.engines.cpu_path's table
+# says.
 QVL = {"VLLM_PLUGINS": "qvl", "QVL_VLLM": "all", "QVL_CPU_ROUTES": "on"}
 
 # name -> (checkpoint fixture, dtype, tensor parallel size, mm_encoder_tp_mode, environment)

@@ -1,4 +1,4 @@
-"""qvl's vLLM plugin hook (qvl.vit.vllm_plugin.register): what it installs, its switch, and a vLLM it does not
+"""qvl's vLLM plugin hook (qvl.vit.engines.vllm.plugin.register): what it installs, its switch, and a vLLM it does not
 recognise. Registration changes vLLM's process-wide registries, so every case runs in one fresh subprocess
 (vLLM's import is the slow part), resetting them between cases."""
 
@@ -15,7 +15,7 @@ import json, logging, sys
 from vllm import ModelRegistry
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
-from qvl.vit import vllm_plugin
+from qvl.vit.engines.vllm import plugin as vllm_plugin
 
 records = []
 handler = logging.Handler()
@@ -86,12 +86,12 @@ def run_scenarios() -> dict:
 
 def test_entry_point_is_installed():
     (entry,) = [ep for ep in metadata.entry_points(group="vllm.general_plugins") if ep.name == "qvl"]
-    assert entry.value == "qvl.vit.vllm_plugin:register"
+    assert entry.value == "qvl.vit.engines.vllm.plugin:register"
 
 
 def test_register_switch_and_unrecognised_vllm():
     results = run_scenarios()
-    towers = "qvl.vit.vllm_tower"
+    towers = "qvl.vit.engines.vllm.tower"
 
     default = results["default"]
     assert default["oot"] == "QvlEncoderAttention" and default["state"]["attention"]

@@ -1,4 +1,4 @@
-"""qvl's tower route over vLLM's own towers (qvl.vit.vllm_tower: Qwen3-VL's, Qwen3.5's, Qwen2.5-VL's and
+"""qvl's tower route over vLLM's own towers (qvl.vit.engines.vllm.tower: Qwen3-VL's, Qwen3.5's, Qwen2.5-VL's and
 Qwen2-VL's), in process, against vLLM's forward and a float64 transformers truth; what it refuses; its compiled
 forward."""
 
@@ -11,7 +11,10 @@ import torch
 
 from inprocess import model_config_of, vllm_tower_of
 from qvl.kernels.common import force_backend
-from qvl.vit import cpu_path, vllm_attention, vllm_routes, vllm_tower
+from qvl.vit.engines import cpu_path
+from qvl.vit.engines.vllm import attention as vllm_attention
+from qvl.vit.engines.vllm import routes as vllm_routes
+from qvl.vit.engines.vllm import tower as vllm_tower
 from qvl.vit.families import family_of
 from tolerance import assert_error_within
 from towers import (
@@ -328,8 +331,8 @@ def test_qwen2_family_towers_match_vllm_and_float64(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decision_steps_aside_by_default_where_not_faster(monkeypatch, dtype):
-    """On this CPU both routes follow qvl.vit.cpu_path: with the switch unset, a dtype the table does not show qvl
-    winning keeps vLLM's own tower and attention; QVL_CPU_ROUTES=on takes them again."""
+    """On this CPU both routes follow qvl.vit.engines.cpu_path: with the switch unset, a dtype the table does not show
+    qvl winning keeps vLLM's own tower and attention; QVL_CPU_ROUTES=on takes them again."""
     monkeypatch.delenv(cpu_path.SWITCH)
     monkeypatch.setattr(cpu_path, "MEASURED", {("vllm", dtype): cpu_path.Measurement(1.5, "a slower run")})
     hf_model = hf_vision_model(seed=3, depth=1, deepstack_visual_indexes=[0])

@@ -13,8 +13,8 @@ The switch, read from the environment variable :data:`SWITCH` each time a decisi
 * ``on`` (or ``1``): route on any CPU;
 * ``off`` (or ``0``): never route on a CPU.
 
-The plugins ask :func:`cpu_route_decision` when they build a model's layers (vLLM: :mod:`qvl.vit.vllm_attention`
-and :mod:`qvl.vit.vllm_tower`); a plugin's own switch (``QVL_VLLM``) still turns its routes off everywhere.
+The plugins ask :func:`cpu_route_decision` when they build a model's layers (vLLM: :mod:`qvl.vit.engines.vllm.attention`
+and :mod:`qvl.vit.engines.vllm.tower`); a plugin's own switch (``QVL_VLLM``) still turns its routes off everywhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What qvl's routes inside a serving engine did in this process: how many forwards each took, and how each tower it
-took over runs. One :class:`RouteLog` per engine plugin (:mod:`qvl.vit.vllm_routes`, :mod:`qvl.vit.sglang_plugin`);
-the engines' test helpers read them in the engine's worker processes, where the calls happen. Also what both
-engines' attention routes share: their switch, and the tile hint read from the engine's ``max_seqlen``."""
+took over runs. One :class:`RouteLog` per engine plugin (:mod:`qvl.vit.engines.vllm.routes`,
+:mod:`qvl.vit.engines.sglang.plugin`); the engines' test helpers read them in the engine's worker processes, where the
+calls happen. Also what both engines' attention routes share: their switch, and the tile hint read from the engine's
+``max_seqlen``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What the vLLM and SGLang tower routes (:mod:`qvl.vit.vllm_tower`, :mod:`qvl.vit.sglang_tower`) share: the
-checks a tower of either engine must pass (:func:`shared_mismatch`) and the tower instance's ``forward`` on qvl's
-runner (:class:`EngineTowerForward`)."""
+"""What the vLLM and SGLang tower routes (:mod:`qvl.vit.engines.vllm.tower`, :mod:`qvl.vit.engines.sglang.tower`)
+share: the checks a tower of either engine must pass (:func:`shared_mismatch`) and the tower instance's ``forward`` on
+qvl's runner (:class:`EngineTowerForward`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .runner import TowerRunner, part
+from ..runner import TowerRunner, part
 
 __all__ = ["EngineTowerForward", "features_of", "shared_mismatch"]
 

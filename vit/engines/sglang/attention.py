@@ -28,7 +28,7 @@ import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 from qvl.kernels.common import FLOAT_DTYPES
 
-from .routes import RouteLog, host_tile_hint
+from ..routes import RouteLog, host_tile_hint
 
 __all__ = ["QvlVisionBackend", "attach", "layer_mismatch"]
 

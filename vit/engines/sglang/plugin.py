@@ -7,12 +7,12 @@ once the model is built and its weights are loaded, :func:`apply`
 
 * gives every ``VisionAttention`` layer (the ViT attention of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
   InternVL, Idefics2, Pixtral and others) qvl's backend, ``torch.ops.qvl.vision_attn``
-  (:mod:`qvl.vit.sglang_attention`), with the backend SGLang chose kept for what qvl does not take;
+  (:mod:`qvl.vit.engines.sglang.attention`), with the backend SGLang chose kept for what qvl does not take;
 * and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, Qwen2.5-VL and Qwen2-VL on qvl's
-  tower forward over SGLang's own modules and loaded weights (:mod:`qvl.vit.sglang_tower`).
+  tower forward over SGLang's own modules and loaded weights (:mod:`qvl.vit.engines.sglang.tower`).
 
 On a CPU the routes run qvl's torch path, and only where it was measured to beat SGLang's own CPU vision code:
-elsewhere they step aside (:mod:`qvl.vit.cpu_path`, whose ``QVL_CPU_ROUTES`` forces either way). One log line in
+elsewhere they step aside (:mod:`qvl.vit.engines.cpu_path`, whose ``QVL_CPU_ROUTES`` forces either way). One log line in
 each scheduler says which routes are active and why any fell back. The switch is the environment variable
 ``QVL_SGLANG``, with the values of vLLM's ``QVL_VLLM``:
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .routes import RouteLog, read_switch, switch_mode
+from ..routes import RouteLog, read_switch, switch_mode
 
 __all__ = ["SWITCH", "TESTED_SGLANG_VERSIONS", "apply", "register", "route_counts", "state", "towers"]
 
@@ -55,7 +55,7 @@ def state() -> dict:
     ``reason`` when it left SGLang unchanged, and per model it applied to (``models``): its class, the
     ``attention_layers`` qvl took, ``attention_left`` (reason -> layers left to SGLang's backend; -1: all of them),
     ``tower`` (``"qvl"``, or the reason SGLang's tower runs, or None for a model of no qvl family) and ``cpu`` (why qvl
-    stepped aside on a CPU, :mod:`qvl.vit.cpu_path`; None where it did not)."""
+    stepped aside on a CPU, :mod:`qvl.vit.engines.cpu_path`; None where it did not)."""
     return {**_state, "models": [dict(model) for model in _state["models"]]}
 
 
@@ -90,14 +90,14 @@ def apply(model, hf_config=None) -> dict:
     mode = _state["mode"] or switch_mode(SWITCH) or "off"
     done = {"model": type(model).__name__, "attention_layers": 0, "attention_left": {}, "tower": None, "cpu": None}
     try:
-        from . import sglang_attention, sglang_tower
+        from . import attention, tower
     except Exception as error:  # an SGLang (or a Triton) the routes cannot import next to must still serve
         reason = f"qvl's SGLang routes did not import ({type(error).__name__}: {error})"
         done.update(attention_left={reason: -1}, tower=reason)
         _state["models"].append(done)
         logger.warning("qvl: SGLang's own vision code runs for %s: %s", done["model"], reason)
         return done
-    family = sglang_tower.ARCHITECTURES.get(type(model).__name__)
+    family = tower.ARCHITECTURES.get(type(model).__name__)
     aside = f"{SWITCH}={mode}" if mode == "off" else _cpu_step_aside(model)
     if aside is not None:
         done["attention_left"] = {aside: -1}
@@ -107,7 +107,7 @@ def apply(model, hf_config=None) -> dict:
         logger.info("qvl: SGLang's own vision code runs for %s (pid %d): %s", done["model"], os.getpid(), aside)
         return done
     try:
-        done["attention_layers"], done["attention_left"] = sglang_attention.attach(model, _routes)
+        done["attention_layers"], done["attention_left"] = attention.attach(model, _routes)
     except Exception as error:
         done["attention_left"] = {f"{type(error).__name__}: {error}": -1}
     if family is not None:
@@ -116,16 +116,17 @@ def apply(model, hf_config=None) -> dict:
         elif hf_config is None:
             done["tower"] = "no model config given"
         else:
-            done["tower"] = sglang_tower.attach(model, hf_config, family, _routes) or "qvl"
+            done["tower"] = tower.attach(model, hf_config, family, _routes) or "qvl"
     _state["models"].append(done)
     _log(done, mode)
     return done
 
 
 def _cpu_step_aside(model) -> str | None:
-    """Why qvl leaves a model on a CPU to SGLang's own vision code (:func:`qvl.vit.cpu_path.cpu_route_decision`), or
-    None where its routes run (any GPU, or a CPU where they were measured to win)."""
-    from .cpu_path import cpu_route_decision
+    """Why qvl leaves a model on a CPU to SGLang's own vision code
+    (:func:`qvl.vit.engines.cpu_path.cpu_route_decision`), or None where its routes run (any GPU, or a CPU where they
+    were measured to win)."""
+    from ..cpu_path import cpu_route_decision
 
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":

@@ -2,7 +2,7 @@
 
 For a loaded SGLang model of an architecture a family declares (:mod:`qvl.vit.families`: Qwen3-VL, Qwen3-VL-MoE,
 Qwen3.5 and Qwen3.5-MoE, whose towers are all SGLang's ``Qwen3VLMoeVisionModel``; Qwen2.5-VL and Qwen2-VL),
-:func:`attach` sets the tower instance's ``forward`` to a :class:`~qvl.vit.engine_tower.EngineTowerForward`, which runs
+:func:`attach` sets the tower instance's ``forward`` to a :class:`~qvl.vit.engines.tower.EngineTowerForward`, which runs
 :class:`qvl.vit.runner.TowerRunner` over SGLang's own modules and the weights SGLang loaded into them (nothing is
 copied): host metadata once per batch (Qwen2.5-VL's windows too), then the patch embed, the position-embedding
 kernel, the blocks with rotary fused into attention and residual fused into the norms, the MLP's fused activation
@@ -33,12 +33,12 @@ import logging
 import torch
 from torch import nn
 
-from .engine_tower import EngineTowerForward, shared_mismatch
-from .families import Family, config_from_hf, sglang_architectures
-from .layers import Product
-from .parallel import DataParallel, SingleProcess
-from .routes import RouteLog
-from .runner import TowerRunner, part
+from ...families import Family, config_from_hf, sglang_architectures
+from ...layers import Product
+from ...parallel import DataParallel, SingleProcess
+from ...runner import TowerRunner, part
+from ..routes import RouteLog
+from ..tower import EngineTowerForward, shared_mismatch
 
 __all__ = ["ARCHITECTURES", "attach", "tower_mismatch"]
 

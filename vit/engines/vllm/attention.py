@@ -11,7 +11,7 @@ take whole.
 
 On a CPU the op runs qvl's torch path (torch's fused attention per run of equal-length segments); where that was
 not measured to beat vLLM's own CPU vision code in the layer's dtype, every layer keeps vLLM's forward by default
-(:mod:`qvl.vit.cpu_path`: the decision, its switch ``QVL_CPU_ROUTES``, one log line).
+(:mod:`qvl.vit.engines.cpu_path`: the decision, its switch ``QVL_CPU_ROUTES``, one log line).
 
 Layers qvl does not cover keep vLLM's own forward for every call (decided when the layer is built, logged
 once per reason): fp8 attention, k/v with fewer heads than q, head sizes over 256, dtypes other than
@@ -33,9 +33,9 @@ import qvl.kernels  # noqa: F401  (registers torch.ops.qvl)
 from qvl.kernels.attention import MAX_HEAD_DIM
 from qvl.kernels.common import FLOAT_DTYPES
 
-from .cpu_path import cpu_route_decision
-from .routes import host_tile_hint
-from .vllm_routes import count
+from ..cpu_path import cpu_route_decision
+from ..routes import host_tile_hint
+from .routes import count
 
 __all__ = ["QvlEncoderAttention", "cpu_step_aside", "install"]
 
@@ -59,8 +59,9 @@ def _layer_mismatch(layer: MMEncoderAttention) -> str | None:
 
 
 def cpu_step_aside(dtype: torch.dtype) -> str | None:
-    """Why qvl's routes leave vision work in ``dtype`` to vLLM on this CPU (:func:`qvl.vit.cpu_path.cpu_route_decision`,
-    logged once per process whichever way it goes), or None where they take it (any GPU)."""
+    """Why qvl's routes leave vision work in ``dtype`` to vLLM on this CPU
+    (:func:`qvl.vit.engines.cpu_path.cpu_route_decision`, logged once per process whichever way it goes), or None
+    where they take it (any GPU)."""
     if not current_platform.is_cpu():
         return None
     route, reason = cpu_route_decision("vllm", dtype)

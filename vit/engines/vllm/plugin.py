@@ -5,9 +5,9 @@ Installing qvl next to vLLM is the whole set-up: vLLM calls :func:`register` in 
 
 * routes vLLM's encoder attention (the ``MMEncoderAttention`` custom op, used by the vision towers of
   Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3-Omni and many other models) to
-  ``torch.ops.qvl.vision_attn`` through vLLM's out-of-tree hook (:mod:`qvl.vit.vllm_attention`);
+  ``torch.ops.qvl.vision_attn`` through vLLM's out-of-tree hook (:mod:`qvl.vit.engines.vllm.attention`);
 * and runs the whole vision tower of Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE on qvl's tower
-  forward over vLLM's own modules and loaded weights (:mod:`qvl.vit.vllm_tower`).
+  forward over vLLM's own modules and loaded weights (:mod:`qvl.vit.engines.vllm.tower`).
 
 What each route does not cover falls back to vLLM's own code, with one log line per reason. The switch is
 the environment variable ``QVL_VLLM``, read by each process when vLLM loads its plugins:
@@ -16,8 +16,8 @@ the environment variable ``QVL_VLLM``, read by each process when vLLM loads its 
 * ``attention``: the attention route only (vLLM's own towers, and its own data-parallel split);
 * ``0`` or ``off``: nothing changes in vLLM.
 
-On a CPU both routes also follow :mod:`qvl.vit.cpu_path`: by default they take a model's vision work only where qvl
-was measured faster than vLLM's own CPU code in the model's dtype, else step aside with one log line;
+On a CPU both routes also follow :mod:`qvl.vit.engines.cpu_path`: by default they take a model's vision work only
+where qvl was measured faster than vLLM's own CPU code in the model's dtype, else step aside with one log line;
 ``QVL_CPU_ROUTES=on`` or ``off`` forces either.
 
 vLLM's own allow-list turns every plugin off or picks some: ``VLLM_PLUGINS=""`` loads none,
@@ -33,8 +33,8 @@ from __future__ import annotations
 import inspect
 import logging
 
-from .routes import read_switch
-from .vllm_routes import route_counts, towers
+from ..routes import read_switch
+from .routes import route_counts, towers
 
 __all__ = ["SWITCH", "TESTED_VLLM_VERSIONS", "register", "route_counts", "state", "towers"]
 
@@ -98,9 +98,9 @@ def register() -> None:
     try:
         reason = _attention_mismatch()
         if reason is None:
-            from . import vllm_attention
+            from . import attention
 
-            vllm_attention.install()
+            attention.install()
             _state["attention"] = True
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"
@@ -110,9 +110,9 @@ def register() -> None:
         return
     if mode == "all":
         try:
-            from . import vllm_tower
+            from . import tower
 
-            _state["tower_architectures"] = vllm_tower.install()
+            _state["tower_architectures"] = tower.install()
         except Exception as error:
             _state["reason"] = f"{type(error).__name__}: {error}"
             logger.warning("qvl: vLLM %s keeps its own towers: %s", version, _state["reason"])

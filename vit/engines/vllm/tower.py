@@ -17,8 +17,8 @@ vLLM's two tensor-parallel encoder modes:
   model with attention's quadratic term, videos split by frame) over vLLM's tensor-parallel group, instead
   of vLLM's greedy split of whole items by patch count; one all-gather returns every rank's features.
 
-On a CPU the tower runs qvl's torch path, and only where :mod:`qvl.vit.cpu_path` says it beats vLLM's own tower in
-the model's dtype (measured; switch ``QVL_CPU_ROUTES``); elsewhere vLLM's tower stays, with one log line.
+On a CPU the tower runs qvl's torch path, and only where :mod:`qvl.vit.engines.cpu_path` says it beats vLLM's own
+tower in the model's dtype (measured; switch ``QVL_CPU_ROUTES``); elsewhere vLLM's tower stays, with one log line.
 
 With vLLM's encoder CUDA graphs on (``cudagraph_mm_encoder``, token budgets), vLLM's graph manager captures and
 replays qvl's forward on qvl's buffers (:class:`QvlTowerForward`); in data mode it then splits the batch over the
@@ -43,16 +43,16 @@ from torch import nn
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 from vllm.logger import init_logger
 
-from .engine_tower import EngineTowerForward, features_of, shared_mismatch
-from .families import Family, config_from_hf
-from .families import vllm_architectures as family_architectures
-from .graphs import cover_pad_rows, pad_grid, pad_offsets
-from .layers import Product
-from .metadata import DeviceInputs, check_grid, grid_as_numpy
-from .parallel import DataParallel, SingleProcess
-from .runner import TowerRunner, part
-from .vllm_attention import cpu_step_aside
-from .vllm_routes import count, record_tower
+from ...families import Family, config_from_hf
+from ...families import vllm_architectures as family_architectures
+from ...graphs import cover_pad_rows, pad_grid, pad_offsets
+from ...layers import Product
+from ...metadata import DeviceInputs, check_grid, grid_as_numpy
+from ...parallel import DataParallel, SingleProcess
+from ...runner import TowerRunner, part
+from ..tower import EngineTowerForward, features_of, shared_mismatch
+from .attention import cpu_step_aside
+from .routes import count, record_tower
 
 __all__ = ["ARCHITECTURES", "QvlTowerForward", "attach", "install", "tower_mismatch"]
 
@@ -93,7 +93,7 @@ def _with_qvl_tower(base: type[nn.Module], family: Family) -> type[nn.Module]:
 
 
 def __getattr__(name: str) -> type[nn.Module]:
-    # vLLM imports "qvl.vit.vllm_tower:<architecture>": build that class from vLLM's own on first access.
+    # vLLM imports "qvl.vit.engines.vllm.tower:<architecture>": build that class from vLLM's own on first access.
     if name not in ARCHITECTURES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     family, module = ARCHITECTURES[name]
@@ -232,7 +232,7 @@ def _qvl_forward(visual: nn.Module, vllm_config, family: Family, split: str | No
 
 class QvlTowerForward(EngineTowerForward):
     """The ``forward`` of a vLLM vision tower instance, on qvl (see
-    :class:`~qvl.vit.engine_tower.EngineTowerForward`), and the tower's side of vLLM's encoder CUDA graphs.
+    :class:`~qvl.vit.engines.tower.EngineTowerForward`), and the tower's side of vLLM's encoder CUDA graphs.
 
     Under vLLM's ``cudagraph_mm_encoder`` the model (:class:`_QvlEncoderGraphs`) hands vLLM's graph manager qvl's
     static buffers: the pixel values and the runner's device inputs (:class:`~qvl.vit.metadata.DeviceInputs`).
