@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from .autocast import follow_autocast, in_autocast_dtype, like_written
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
@@ -422,3 +423,7 @@ def _bias_gelu_backward(ctx, grad_y):
 
 
 bias_gelu.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup_context)
+# The bias and activation of a linear layer's output: in the autocast dtype, as the linear's bias.
+follow_autocast("bias_gelu", in_autocast_dtype(0, 1))
+follow_autocast("bias_gelu_", like_written(0))
+follow_autocast("bias_gelu_backward")

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from .autocast import add_then_norm, follow_autocast, in_fp32
 from .common import (
     FLOAT_DTYPES,
     FMA_CONTRACTION,
@@ -575,3 +576,6 @@ def _add_layer_norm_backward(ctx, grad_h, grad_y):
 
 
 add_layer_norm.register_autograd(_add_layer_norm_backward, setup_context=_add_layer_norm_setup_context)
+follow_autocast("layer_norm", in_fp32)
+follow_autocast("add_layer_norm", add_then_norm(torch.ops.qvl.layer_norm.default))
+follow_autocast("layer_norm_backward")

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from .autocast import follow_autocast
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
@@ -462,3 +463,6 @@ def _pos_embed_interp_backward(ctx, grad_out):
 
 
 pos_embed_interp.register_autograd(_pos_embed_interp_backward, setup_context=_pos_embed_interp_setup_context)
+# A table lookup and blend: no cast, as an embedding lookup (the result in the table's dtype).
+for _op in ("pos_embed_interp", "pos_embed_interp_add_", "pos_embed_interp_backward"):
+    follow_autocast(_op)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from triton.backends.compiler import GPUTarget
 
+from .autocast import add_then_norm, follow_autocast, in_fp32
 from .common import KernelLaunch, device_target, run_launches, runs_torch
 from .layer_norm import MAX_NORM_DIM, check_norm_args, check_norm_backward_args, norm_backward, norm_launches
 from .tiles import last_dim_contiguous
@@ -216,3 +217,6 @@ def _add_rms_norm_backward(ctx, grad_h, grad_y):
 
 
 add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
+follow_autocast("rms_norm", in_fp32)
+follow_autocast("add_rms_norm", add_then_norm(torch.ops.qvl.rms_norm.default))
+follow_autocast("rms_norm_backward")

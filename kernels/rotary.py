@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from .autocast import follow_autocast
 from .common import (
     FLOAT_DTYPES,
     FMA_CONTRACTION,
@@ -472,3 +473,6 @@ def _(q, k, positions, rope_theta=10000.0):
 
 
 refuse_autograd("rotary_2d_", "torch.ops.qvl.rotary_2d (or vision_attn(..., positions=...), which rotates inside)")
+# Elementwise work: no cast, as torch's own elementwise ops (transformers rotates in fp32 and rounds back).
+for _op in ("rotary_2d", "rotary_2d_", "rotary_2d_backward"):
+    follow_autocast(_op)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from .autocast import follow_autocast, in_autocast_dtype
 from .common import (
     FLOAT_DTYPES,
     KernelLaunch,
@@ -396,3 +397,6 @@ def _bias_swiglu_backward(ctx, grad_y):
 
 
 bias_swiglu.register_autograd(_bias_swiglu_backward, setup_context=_bias_swiglu_setup_context)
+# The biases and activation of two linear layers' outputs: in the autocast dtype, as the linears' biases.
+follow_autocast("bias_swiglu", in_autocast_dtype(0, 1, 2, 3))
+follow_autocast("bias_swiglu_backward")

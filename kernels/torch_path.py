@@ -83,7 +83,12 @@ def ops_for(device: torch.device) -> ModuleType | torch._ops._OpNamespace:
     kernels, the references when ``"reference"`` is forced, and under grad mode their own backward formulas, which
     compute in fp32 where autograd through this module's 16-bit torch code would round each op's gradient (their
     forwards on the torch path are this module's functions); torch.compile and modes such as FakeTensorMode see the
-    ops. torch.compile traces the choice, guarding on a forced path and on grad mode."""
+    ops. torch.compile traces the choice, guarding on a forced path and on grad mode.
+
+    Under ``torch.autocast`` for the device, always ``torch.ops.qvl``: the ops' autocast rules
+    (:mod:`qvl.kernels.autocast`) live on the dispatcher, which the other two skip."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.ops.qvl
     backend = backend_for(device)
     if backend == "torch":
         return torch.ops.qvl if torch.is_grad_enabled() else sys.modules[__name__]

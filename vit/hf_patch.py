@@ -147,12 +147,6 @@ class _PatchedForward:
                 "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
                 " until each submodule's hook loads them; or split over devices by a device map)"
             )
-        device_type = next(iter(devices)).type
-        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != self.runner.dtype:
-            return (
-                f"autocast to {torch.get_autocast_dtype(device_type)} is on over {self.runner.dtype} weights, and"
-                " qvl's kernels compute in the weights' dtype (cast the model to the autocast dtype to run it on qvl)"
-            )
         if self.data_parallel is not None and output_hidden_states:
             return (
                 "output_hidden_states was requested in data-parallel mode, where each rank encodes only its share"
@@ -263,9 +257,11 @@ def patch_model(
       dispatched before or after patching), so it moves the inputs, and loads the weights where it offloads the
       whole module (``cpu_offload_with_hook``), before qvl runs; the hooks a device map puts on the submodules
       of a tower it keeps whole only move inputs, and qvl runs there too.
-    * ``torch.autocast`` to a dtype other than the weights' (fp32 weights under bf16 autocast): qvl's kernels
-      compute in the weights' dtype (cast the model instead; bf16 weights under bf16 autocast run on qvl).
     * in data mode, ``output_hidden_states``: each rank encodes only its share of the tokens.
+
+    Under ``torch.autocast``, mixed precision over fp32 weights included (HF Trainer's ``bf16=True``, accelerate's
+    ``mixed_precision``), the tower runs on qvl and follows autocast as transformers' own forward does: linears and
+    attention in the autocast dtype, norms in fp32, gradients reaching the fp32 weights.
 
     In data mode, such a call runs the whole batch on every rank (no collective: every rank makes the same call),
     its outputs' gradients scaled by 1 / world size, so that the ranks' summed parameter gradients (data mode's

@@ -146,8 +146,9 @@ def _bias_or_zeros(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
 
 
 def _add_bias(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``h + bias``; ``h`` itself where a :data:`Product` added the bias."""
-    return h if bias is None else h + bias
+    """``h + bias`` in h's dtype, as ``F.linear`` adds a bias (under autocast: a 16-bit product beside an fp32 bias);
+    ``h`` itself where a :data:`Product` added the bias."""
+    return h if bias is None else h + bias.to(h.dtype)
 
 
 def _bias_activation(h: torch.Tensor, bias: torch.Tensor | None, activation: str | Activation) -> torch.Tensor:
@@ -221,7 +222,7 @@ def row_parallel_linear(
         reduced = _ReduceRowParallel.apply(partial, all_reduce)
     else:
         reduced = all_reduce(partial)
-    return reduced if bias is None else reduced + bias
+    return _add_bias(reduced, bias)
 
 
 def layer_or_rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):

@@ -670,12 +670,18 @@ class TowerRunner:
         captured budget that serves the batch replays (:meth:`capture`); else the metadata (``meta``, when the
         caller built it for ``grid``) and the device part run. Returns :class:`TowerOutputs`.
 
-        Autocast is off inside: qvl's kernels take activations in the weights' dtype, which autocast would change
-        under fp32 weights (16-bit GEMM outputs beside fp32 norm weights); such a tower runs in fp32."""
+        Under ``torch.autocast`` to another dtype than the weights' (fp32 master weights under bf16 autocast), the
+        forward follows autocast as transformers' does: the linears and the attention in the autocast dtype, the
+        norms in fp32, the residual stream in the patch embedding's dtype (each op's rule:
+        :mod:`qvl.kernels.autocast`), eagerly or compiled, never from captured graphs (captured without autocast).
+        Autocast to the weights' own dtype changes no result, and is switched off inside, so such a call runs as
+        without it."""
         device_type = self.device.type
-        own_dtype = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
+        autocast = torch.is_autocast_enabled(device_type)
+        mixed = autocast and torch.get_autocast_dtype(device_type) != self.dtype
+        own_dtype = torch.autocast(device_type, enabled=False) if autocast and not mixed else None
         with own_dtype or contextlib.nullcontext():
-            if self.graphs is not None:
+            if self.graphs is not None and not mixed:
                 self.check_pixels(pixel_values, grid)
                 # The graphs' buffers hold whole rows: folded ones are unfolded for them.
                 replayed = self.graphs.encode(self, self.unfolded(pixel_values), grid)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
+from ..autocast import follow_autocast, in_autocast_dtype
 from ..common import (
     FMA_CONTRACTION,
     KernelLaunch,
@@ -759,3 +760,7 @@ def _training_forward(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, 
 
 
 route_autograd("vision_attn", _training_forward)
+# q, k and v in the autocast dtype, as scaled_dot_product_attention; softmax statistics stay fp32 inside.
+follow_autocast("vision_attn", in_autocast_dtype(0, 1, 2))
+follow_autocast("vision_attn_with_lse", in_autocast_dtype(0, 1, 2))
+follow_autocast("vision_attn_backward")

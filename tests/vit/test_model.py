@@ -74,16 +74,42 @@ def test_bf16_within_its_rounding():
     assert_matches(tower, hf, MIXED[:2])
 
 
-def test_autocast_leaves_the_tower_in_its_own_dtype():
-    """Under bf16 autocast (a mixed-precision training loop) a fp32 tower runs in fp32, as without autocast: its
-    GEMMs would otherwise hand 16-bit activations to norms with fp32 weights, which the kernels refuse."""
-    tower = VisionTransformer.from_hf(hf_vision_model(seed=4)).eval()
-    pixels = pixel_values_for(MIXED, seed=4)
+def test_autocast_over_fp32_weights_follows_transformers():
+    """Under bf16 autocast (a mixed-precision loop) an fp32 tower follows autocast as transformers' model does: its
+    outputs in the dtypes of transformers' autocast run and within the rule of it (judged at bf16's resolution, the
+    roundings they carry), eager through the interpreter and compiled on the torch path, where a second batch of
+    other sizes reuses the graph."""
+    hf = hf_vision_model(seed=4, depth=2, deepstack_visual_indexes=[0, 1])
+    eager = VisionTransformer.from_hf(hf).eval()
+    compiled = VisionTransformer.from_hf(hf).eval().compile()
+    for index, grid in enumerate([MIXED, [[1, 4, 6], [1, 2, 2]]]):
+        pixels = pixel_values_for(grid, seed=4 + index)
+        truth = float64_vision_outputs(hf, pixels, grid)
+        stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = vision_outputs(hf, pixels, grid)
+            merged, deepstack = eager(pixels, grid)
+            with force_backend("torch"), stance:
+                compiled_merged, compiled_deepstack = compiled(pixels, grid)
+        for what, got in (("eager", [merged, *deepstack]), ("compiled", [compiled_merged, *compiled_deepstack])):
+            assert [t.dtype for t in got] == [t.dtype for t in expected] == [torch.bfloat16] * 3
+            assert_error_within(
+                [t.bfloat16() for t in got],
+                truth,
+                expected,
+                what=f"{what} under bf16 autocast, {grid}",
+                stages=MODEL_STAGES,
+            )
+
+
+def test_autocast_to_the_weights_dtype_changes_nothing():
+    """A bf16 tower under bf16 autocast runs as without autocast (switched off inside: the same computation)."""
+    tower = VisionTransformer.from_hf(hf_vision_model(seed=5, depth=2, deepstack_visual_indexes=[1])).bfloat16()
+    pixels = pixel_values_for(MIXED[:2], seed=5).bfloat16()
     with torch.no_grad():
-        plain = tower(pixels, MIXED)
+        plain = tower(pixels, MIXED[:2])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            autocast = tower(pixels, MIXED)
-    assert autocast[0].dtype == torch.float32
+            autocast = tower(pixels, MIXED[:2])
     assert all(torch.equal(a, b) for a, b in zip([plain[0], *plain[1]], [autocast[0], *autocast[1]], strict=True))
 
 
