@@ -60,7 +60,10 @@ frame area, Qwen2-VL and Qwen2.5-VL each frame); frames must all be the same siz
 repeating the last frame. Family defaults: Qwen3-VL (Qwen3.5, Qwen3-Omni): mean = std = 0.5, images 256^2 to
 4096^2 (16777216) pixels; Qwen2-VL and Qwen2.5-VL: OpenAI CLIP's mean and std, images 56^2 to 1280 * 28^2 pixels.
 Decoding (and, on a CPU, preparation) runs in --workers processes beside the tower; on a GPU the uint8 pixels go
-to the device and are prepared there.
+to the device and are prepared there. On a CPU the default is no worker where the tower's torch threads take
+every core (torch's default): a worker would take a core from one of them, and every parallel region of the
+tower would wait for that thread; inputs are then decoded between batches and prepared on the tower's threads.
+With fewer threads (OMP_NUM_THREADS=N, N below the cores) one worker runs per core left, at most 4.
 
 video files are decoded with PyAV (pip install av) to RGB and sampled as the family's video processor samples
 (Qwen2-VL's and Qwen2.5-VL's as theirs do with do_sample_frames on; they keep every frame by default): n = frames /
@@ -245,8 +248,9 @@ def _add_encode(commands) -> None:
         "--workers",
         type=_non_negative_int,
         metavar="N",
-        help="decoding processes beside the tower; 0 decodes in the main process (default: half the cores, at "
-        "most 4, on a CPU; cores - 1, at most 8, for a GPU)",
+        help="decoding processes beside the tower; 0 decodes in the main process (default on a CPU: one per core "
+        "the tower's torch threads leave free, at most 4: 0 with torch's default threads, one per core; for a "
+        "GPU: cores - 1, at most 8)",
     )
     running.add_argument(
         "--parallel",

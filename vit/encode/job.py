@@ -221,7 +221,9 @@ class _Job:
         options, device = self.options, self.device
         writes = self.rank == 0 or options.parallel == "data"
         writer = ShardWriter(folder, f"r{self.rank}", run_constants, options.shard_bytes, options.shard_inputs)
-        workers = default_workers(device.type) if options.workers is None else options.workers
+        # The tower runs on torch's intra-op threads in this process (their count is never set here; DataLoader
+        # sets its workers' to 1): the default leaves the tower the cores it runs on, on a CPU.
+        workers = default_workers(device.type, torch.get_num_threads()) if options.workers is None else options.workers
         # An image fills every temporal slot with one frame: both tower kinds take it once (folded rows, their patch
         # embedding's temporal slices summed), half the pixel values and half the embedding's work.
         fold = tower.config.temporal_patch_size > 1

@@ -41,13 +41,21 @@ def parse_size(text: str) -> int:
     return size
 
 
-def default_workers(device_type: str) -> int:
-    """Decoding processes for a run on ``device_type``: on a GPU enough to keep it fed (the host only decodes); on a
-    CPU, whose cores also run the tower, one per two cores (they decode and prepare)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def default_workers(device_type: str, tower_threads: int, cores: int | None = None) -> int:
+    """Decoding processes for a run on ``device_type`` whose tower runs on ``tower_threads`` torch threads, with
+    ``cores`` CPUs to run on (default: this process's).
+
+    On a GPU, enough to keep it fed (the host only decodes, the tower takes no CPU threads): ``cores - 1``, at most 8.
+    On a CPU the workers decode and prepare on the cores the tower computes on: one worker per core its threads leave
+    free, at most 4, and none where they take every core (torch's default, one thread per core). There a worker
+    takes a core from one of the tower's threads whenever it runs, and every parallel region of the tower waits at
+    its end for that thread: the tower loses at least the worker's time, more than decoding between batches costs
+    (the preparation then runs on all the tower's threads)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if device_type == "cuda":
         return max(1, min(8, cores - 1))
-    return max(1, min(4, cores // 2))
+    return max(0, min(4, cores - tower_threads))
 
 
 @dataclasses.dataclass(frozen=True)
