@@ -1,8 +1,8 @@
-"""``qvl encode`` against transformers: preparation alone, and 16 photos end to end.
+"""``qvl encode`` against transformers: preparation alone, 16 photos end to end, and the time per photo once running.
 
     python -m bench.bench_encode [--threads 1] [--repeats 5] [--sizes NAME=WxH ...] [--video-seconds 30]
                                  [--photos 16] [--photo-size 1920x1080] [--towers tiny demo] [--rounds 3]
-                                 [--json PATH]
+                                 [--steady-state 16 48 [--encode-workers 1]] [--json PATH]
     python -m bench.bench_encode --device cuda [--dtype bfloat16] [--photos 16] [--photo-size WxH] [--rounds 2]
                                  [--json PATH]
 
@@ -37,6 +37,13 @@ whose tower costs the same can take, process start aside, and the ceiling on its
 ``max rel err`` is its first photo's merged features against qvl's; ``qvl encode``'s own count of its encoding (from
 its first input to its last write) and where that time went are printed below the table.
 
+**Steady state** (``--steady-state FEW MANY``, :func:`steady_state_rows`): the time per photo once running, what a
+data set's run costs a photo: FEW, then MANY photos of ``--photo-size`` through ``qvl encode`` (a process, as above, on
+its default ``--workers``, and with each ``--encode-workers N``) and through transformers' processors + tower (as
+above, in this process), and ``(MANY's time - FEW's) / (MANY - FEW)``: the process start, imports, loading and
+warm-up drop out. Each row's ``qvl speed-up`` is its time per photo over ``qvl encode``'s (at least 1: ``qvl
+encode``'s steady rate is at least its). The runs take turns for ``--rounds`` rounds, each keeping its best.
+
 **On a GPU** (``--device``, :func:`device_rows`): ``--photos`` photos through ``qvl encode --device`` (decoding in
 its workers, preparation on the device) with a random-weight tower of Qwen3-VL 8B's shape, against the same tower
 alone on the same inputs, prepared beforehand and packed into the same batches: whether preparation hides behind
@@ -51,6 +58,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -275,6 +283,45 @@ def _qvl_encode(folder: Path, model: Path, outputs: Iterator[Path], *options: st
     return seconds, dict(encoding_s=encoding_s, split=split[5:], features=_qvl_features(output, 0))
 
 
+def _transformers_processors() -> dict:
+    """transformers' image processors with Qwen3-VL's settings, by row name: PIL, and torchvision where it imports."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    options = _qwen3_vl_processing(QWEN3_VL_PREPROCESSOR).image_processor_options()
+    processors = {"transformers PIL": Qwen2VLImageProcessorPil(**options)}
+    torchvision_processor = _torchvision_image_processor(options)
+    if torchvision_processor is not None:
+        processors["transformers torchvision"] = torchvision_processor
+    return processors
+
+
+def _transformers_encode(model, processor, paths: Sequence[Path]) -> tuple[float, dict]:
+    """``paths`` through transformers in this process, one photo at a time (``Image.open``, ``processor``, ``model``
+    under ``torch.inference_mode``): its seconds and its first photo's merged features."""
+    from PIL import Image
+
+    first = None
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for path in paths:
+            batch = processor(images=[Image.open(path)], return_tensors="pt")
+            merged = model(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+            first = merged if first is None else first
+    return time.perf_counter() - start, dict(features=first)
+
+
+def _best_of(runs: dict[str, Callable[[], tuple[float, dict]]], rounds: int) -> dict[str, tuple[float, dict]]:
+    """``runs`` taking turns for ``rounds`` rounds (the machine's other load hits them alike): each one's best
+    seconds and the facts of that run."""
+    best: dict[str, tuple[float, dict]] = {}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            seconds, facts = run()
+            if name not in best or seconds < best[name][0]:
+                best[name] = seconds, facts
+    return best
+
+
 def end_to_end_rows(
     photos: int = 16,
     size: tuple[int, int] = (1080, 1920),
@@ -289,34 +336,18 @@ def end_to_end_rows(
     count, from its first input to its last write: the process's start and the tower's load left out) and its
     ``split`` of that time. Files go under ``root`` (default: a temporary folder)."""
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
 
     from .harness import max_rel_err
 
     with contextlib.ExitStack() as stack:
         root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-")))
         folder, paths = _photo_folder(root, photos, size)
-        options = _qwen3_vl_processing(QWEN3_VL_PREPROCESSOR).image_processor_options()
-        processors = {"transformers PIL": Qwen2VLImageProcessorPil(**options)}
-        torchvision_processor = _torchvision_image_processor(options)
-        if torchvision_processor is not None:
-            processors["transformers torchvision"] = torchvision_processor
+        processors = _transformers_processors()
         rows = []
         for tower in towers:
             model = _checkpoint(root / tower, tower)
             outputs = iter(root / f"{tower}-features-{run}" for run in range(rounds))
             qvl_encode = functools.partial(_qvl_encode, folder, root / tower, outputs)
-
-            def transformers_run(processor, model=model) -> tuple[float, dict]:
-                first = None
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    for path in paths:
-                        batch = processor(images=[Image.open(path)], return_tensors="pt")
-                        merged = model(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
-                        first = merged if first is None else first
-                return time.perf_counter() - start, dict(features=first)
-
             with torch.inference_mode():
                 prepared = [
                     processors["transformers PIL"](images=[Image.open(path)], return_tensors="pt") for path in paths
@@ -330,14 +361,10 @@ def end_to_end_rows(
                 return time.perf_counter() - start, dict(features=merged[0])
 
             runs = {"qvl encode": qvl_encode}
-            runs |= {name: functools.partial(transformers_run, processor) for name, processor in processors.items()}
+            runs |= {name: functools.partial(_transformers_encode, model, processor, paths)
+                     for name, processor in processors.items()}  # fmt: skip
             runs[TOWER_ALONE] = tower_alone
-            best: dict[str, tuple[float, dict]] = {}
-            for _ in range(rounds):
-                for name, run in runs.items():
-                    seconds, facts = run()
-                    if name not in best or seconds < best[name][0]:
-                        best[name] = seconds, facts
+            best = _best_of(runs, rounds)
             qvl_seconds, reference = best["qvl encode"][0], best["qvl encode"][1]["features"]
             for name, (seconds, facts) in best.items():
                 features = facts.pop("features")
@@ -345,6 +372,56 @@ def end_to_end_rows(
                 row |= dict(qvl_speedup=seconds / qvl_seconds, **facts)
                 if name != "qvl encode":
                     row["max_rel_err"] = max_rel_err(features, reference)
+                rows.append(row)
+        return rows
+
+
+# The steady-state rows' photo counts: the per-photo time is the difference of their runs' times over theirs.
+STEADY_PHOTOS = (16, 48)
+
+
+def steady_state_rows(
+    photos: tuple[int, int] = STEADY_PHOTOS,
+    size: tuple[int, int] = (1080, 1920),
+    towers: Sequence[str] = ("tiny",),
+    rounds: int = 3,
+    workers: Sequence[int] = (),
+    root: Path | None = None,
+) -> list[dict]:
+    """The time per photo once running, where what a run pays once (process start, imports, loading, warm-up) has
+    dropped out: ``(seconds for many photos - seconds for few) / (many - few)`` with ``photos = (few, many)``, for
+    ``qvl encode`` (a process, as :func:`end_to_end_rows` runs it: on its default ``--workers``, then with each of
+    ``workers``) and for transformers' processors + tower in this process (as :func:`end_to_end_rows`), per tower
+    shape of ``towers``; every run takes turns in ``rounds`` rounds, each keeping its best. Rows of ``tower``,
+    ``implementation``, ``photos``, ``few_s``, ``many_s``, ``seconds_per_photo``, ``images_per_s`` and
+    ``qvl_speedup`` (its time per photo over ``qvl encode``'s: at least 1 where ``qvl encode``'s steady rate is at
+    least its); ``qvl encode``'s rows also the ``split`` of the many photos' run. Files go under ``root`` (default: a
+    temporary folder)."""
+    few, many = photos
+    with contextlib.ExitStack() as stack:
+        root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-")))
+        folders = {count: _photo_folder(root / f"{count}-photos", count, size) for count in photos}
+        processors = _transformers_processors()
+        variants = {"qvl encode": ()} | {f"qvl encode --workers {n}": ("--workers", str(n)) for n in workers}
+        rows = []
+        for tower in towers:
+            model = _checkpoint(root / tower, tower)
+            outputs = (root / f"{tower}-steady-{run}" for run in itertools.count())
+            runs = {}
+            for count, (folder, paths) in folders.items():
+                for name, options in variants.items():
+                    runs[name, count] = functools.partial(_qvl_encode, folder, root / tower, outputs, *options)
+                for name, processor in processors.items():
+                    runs[name, count] = functools.partial(_transformers_encode, model, processor, paths)
+            best = _best_of(runs, rounds)
+            names = [*variants, *processors]
+            per_photo = {name: (best[name, many][0] - best[name, few][0]) / (many - few) for name in names}
+            for name in names:
+                row = dict(tower=tower, implementation=name, photos=[few, many], few_s=best[name, few][0])
+                row |= dict(many_s=best[name, many][0], seconds_per_photo=per_photo[name])
+                row |= dict(images_per_s=1 / per_photo[name], qvl_speedup=per_photo[name] / per_photo["qvl encode"])
+                if name in variants:
+                    row["split"] = best[name, many][1]["split"]
                 rows.append(row)
         return rows
 
@@ -420,12 +497,7 @@ def device_rows(
 
         outputs = iter(root / f"features-{run}" for run in range(rounds))
         encode = functools.partial(_qvl_encode, folder, model, outputs, "--device", device, "--dtype", dtype)
-        best: dict[str, tuple[float, dict]] = {}
-        for _ in range(rounds):
-            for name, run in (("qvl encode", encode), ("qvl tower alone", tower_alone)):
-                seconds, facts = run()
-                if name not in best or seconds < best[name][0]:
-                    best[name] = seconds, facts
+        best = _best_of({"qvl encode": encode, "qvl tower alone": tower_alone}, rounds)
         (seconds, facts), (alone, alone_facts) = best["qvl encode"], best["qvl tower alone"]
         encoding_s = facts["encoding_s"]
         error = max_rel_err(facts["features"].float(), alone_facts["features"].float())
@@ -484,6 +556,31 @@ def format_end_to_end(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_steady_state(rows: Sequence[dict]) -> str:
+    few, many = rows[0]["photos"]
+    lines = [
+        f"{'tower':<6} {'implementation':<26} {f'{few} photos':>10} {f'{many} photos':>10} {'s/photo':>8}"
+        f" {'images/s':>9} {'qvl speed-up':>13}"
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['tower']:<6} {row['implementation']:<26} {row['few_s']:>10.2f} {row['many_s']:>10.2f}"
+            f" {row['seconds_per_photo']:>8.3f} {row['images_per_s']:>9.2f} {row['qvl_speedup']:>12.2f}x"
+        )
+    for row in rows:
+        if "split" in row:
+            lines.append(f"{row['tower']}: {row['implementation']}, {many} photos: {row['split']}")
+    qvl = {row["tower"]: row["seconds_per_photo"] for row in rows if row["implementation"] == "qvl encode"}
+    for row in rows:
+        if row["implementation"].startswith("transformers"):
+            lines.append(
+                f"{row['tower']}: steady state (({many} photos' time - {few} photos') / {many - few}): qvl encode"
+                f" {qvl[row['tower']]:.3f} s a photo, {row['implementation']} processor + tower"
+                f" {row['seconds_per_photo']:.3f} s: qvl encode at {row['qvl_speedup']:.2f}x its rate"
+            )
+    return "\n".join(lines)
+
+
 def run_facts() -> dict:
     """When, where and on what this ran: date, CPU, cores, versions and the checkout's commit."""
     import transformers
@@ -523,7 +620,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--photos", type=int, default=16, help="photos end to end; 0: none (default: 16)")
     parser.add_argument("--photo-size", type=_size, default=(1080, 1920), metavar="WxH", help="(default: 1920x1080)")
     parser.add_argument("--towers", nargs="+", choices=sorted(E2E_TOWERS), default=["tiny"], help="(default: tiny)")
-    parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds, best kept (default: 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of turns, best kept (default: 3)")
+    parser.add_argument(
+        "--steady-state",
+        nargs=2,
+        type=int,
+        metavar=("FEW", "MANY"),
+        help="also the time per photo once running: FEW and MANY photos through qvl encode and through transformers,"
+        f" (MANY's time - FEW's) / (MANY - FEW) (e.g. {STEADY_PHOTOS[0]} {STEADY_PHOTOS[1]})",
+    )
+    parser.add_argument(
+        "--encode-workers", nargs="+", type=int, default=[], metavar="N",
+        help="the steady-state rows also time qvl encode --workers N, each N (default: its default --workers only)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the rows and the run's facts as JSON")
     parser.add_argument(
         "--device", help="a GPU (cuda, cuda:1): qvl encode on it against its tower alone, Qwen3-VL 8B's shape, instead"
@@ -533,6 +642,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the tower's dtype with --device (default: bfloat16)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.steady_state is not None and not 0 < args.steady_state[0] < args.steady_state[1]:
+        parser.error("--steady-state FEW MANY: 0 < FEW < MANY")
+    if args.encode_workers and args.steady_state is None:
+        parser.error("--encode-workers: only the steady-state rows take it (--steady-state FEW MANY)")
+    if args.steady_state is not None and args.device is not None:
+        parser.error("--steady-state: the CPU rows' measurement, not --device's")
     if args.device is not None:
         if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
             parser.error(f"--device {args.device}: torch sees no CUDA device here")
@@ -560,6 +675,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.photos > 0:
         results["end_to_end"] = end_to_end_rows(args.photos, args.photo_size, args.towers, args.rounds)
         print(format_end_to_end(results["end_to_end"]))
+    if args.steady_state is not None:
+        photos, workers = tuple(args.steady_state), args.encode_workers
+        results["steady_state"] = steady_state_rows(photos, args.photo_size, args.towers, args.rounds, workers)
+        print(format_steady_state(results["steady_state"]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(results, file, indent=1)

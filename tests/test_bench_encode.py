@@ -1,9 +1,10 @@
 """bench.bench_encode on tiny inputs: the preparation of a photo and of a video by every implementation, the speed-ups
 over transformers' processors, two small photos end to end (``qvl encode`` in its own process against transformers'
-processors and tower), and the command line's JSON."""
+processors and tower), the time per photo once running, and the command line's JSON."""
 
 import json
 
+import pytest
 import torch
 
 from bench import bench_encode, harness
@@ -42,6 +43,39 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "qvl folded" in capsys.readouterr().out
     results = json.loads(path.read_text())
     assert sorted(results) == ["facts", "preparation"] and results["facts"]["cores"] >= 1
+
+
+def test_steady_state_rows_time_a_photo_once_running(tmp_path, capsys):
+    """(MANY photos' time - FEW photos') / (MANY - FEW) for qvl encode (its default --workers and --encode-workers 1,
+    each a process) and transformers' processors + tower, their ratio, the table's lines and the JSON's rows."""
+    path = tmp_path / "results.json"
+    argv = ["--repeats", "1", "--sizes", "tiny=60x40", "--video-seconds", "0", "--photos", "0", "--rounds", "1"]
+    argv += ["--photo-size", "96x64", "--steady-state", "1", "3", "--encode-workers", "1", "--json", str(path)]
+    assert bench_encode.main(argv) == 0
+    rows = json.loads(path.read_text())["steady_state"]
+    implementations = ["qvl encode", "qvl encode --workers 1", "transformers PIL", "transformers torchvision"]
+    assert [row["implementation"] for row in rows] == implementations
+    for row in rows:
+        assert row["tower"] == "tiny" and row["photos"] == [1, 3] and row["few_s"] > 0 and row["many_s"] > 0
+        assert row["seconds_per_photo"] == (row["many_s"] - row["few_s"]) / 2
+        assert row["images_per_s"] == 1 / row["seconds_per_photo"]
+        assert row["qvl_speedup"] == row["seconds_per_photo"] / rows[0]["seconds_per_photo"]
+    assert rows[1]["split"].startswith("time: decoding") and "(in 1 worker process)" in rows[1]["split"]
+    assert "split" not in rows[2]
+    table = capsys.readouterr().out
+    assert bench_encode.format_steady_state(rows) in table
+    assert "tiny: qvl encode --workers 1, 3 photos: time: decoding" in table
+    assert f"transformers PIL processor + tower {rows[2]['seconds_per_photo']:.3f} s" in table
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--steady-state", "3", "1"], ["--encode-workers", "1"], ["--steady-state", "1", "2", "--device", "cpu"]],
+)
+def test_steady_state_arguments_are_checked_before_anything_runs(argv, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench_encode.main(argv)
+    assert exit.value.code == 2 and "--steady-state" in capsys.readouterr().err
 
 
 def test_device_rows_time_qvl_encode_against_its_tower_alone(tmp_path):
