@@ -35,6 +35,19 @@ Roundings that the algorithm under test makes in a wider dtype than its output (
 running max, sum and accumulator in fp32) are counted at that dtype's resolution, not the output's: ``eps``
 is then ``ulps`` of the output dtype plus ``wide_ulps`` of fp32, both at the output's scale.
 
+Why ``terms``: a result whose exact value cancels (the sum of terms much larger than itself) carries the roundings of
+those terms, not of itself, and a scale read off the result shrinks with it. Where the cancellation is exact, torch's
+own error can be exactly 0 too, and the bound with it: the gradient of a softmax over one key with respect to the
+query is 0, and torch's one-pass backward gets 0, while a flash backward computes the two sums that cancel
+(``dP = dO . v`` and ``delta = dO . out``) in two orders in its fp32 accumulators and keeps a few fp32 roundings of
+their size. Which order, and so whether those roundings happen to cancel too, depends on the machine's BLAS and SIMD
+width: a bound of 0 passes on one CPU and fails on another. ``terms`` gives the scale the computation rounds at
+before the cancellation, derived from the inputs alone: the same computation with absolute values, ``|A| @ |B|`` for
+``A @ B`` (a tensor, whose ``max|.|`` is taken, or that number itself). The ``wide_ulps`` then count at the larger of
+it and the output's scale; the output dtype's ``ulps`` stay at the output's scale, since the output's own rounding is
+relative to the output. So the floor follows from the inputs' magnitudes and the resolution the intermediates are
+held in, never from the result.
+
 The rule trusts nothing it cannot check: the baseline must itself agree with the truth within :data:`BASELINE_ULPS`
 of its dtype's resolution at the output's scale (``eps`` added, for algorithms that round more often in sequence),
 per rounded stage of a composite computation: a model's output passes through its operations one after another, each
@@ -48,7 +61,13 @@ frequencies are the case in point: transformers and qvl each round them to fp32,
 either table would share that rounding with one side.
 
 Exact contracts (bit-identical round trips, fused-vs-unfused paths that are equal by construction) are
-not tolerance questions and stay ``rtol=0, atol=0`` in the tests that state them.
+not tolerance questions and stay ``rtol=0, atol=0`` in the tests that state them. Equal by construction means the
+same computation on every CPU: the same kernel or function on the same values and shapes (run twice, resumed, on a
+copy, in place or not, on a batch whose products the code holds to fixed shapes), a copy, a gather or a permutation,
+integer metadata, elementwise IEEE arithmetic written op for op alike (each op correctly rounded everywhere). Two
+different computations of one value (``addmm`` against ``mm`` then ``add``, a reduction in another order, a matrix
+product of other shapes, which a BLAS may block otherwise) agree bit for bit only on the CPUs they were tried on:
+they are held to this rule against the float64 truth instead.
 """
 
 from __future__ import annotations
@@ -102,10 +121,22 @@ def scale_of(truth: torch.Tensor) -> float:
     return truth.detach().abs().max().item() if truth.numel() else 0.0
 
 
-def default_eps(dtype: torch.dtype, truth: torch.Tensor, ulps: float = DEFAULT_ULPS, wide_ulps: float = 0) -> float:
-    """``ulps`` units of the dtype's resolution plus ``wide_ulps`` units of fp32's at the output's scale (see the
-    module docstring)."""
-    return (ulps * resolution(dtype) + wide_ulps * resolution(torch.float32)) * scale_of(truth)
+def default_eps(
+    dtype: torch.dtype,
+    truth: torch.Tensor,
+    ulps: float = DEFAULT_ULPS,
+    wide_ulps: float = 0,
+    terms: torch.Tensor | float | None = None,
+) -> float:
+    """``ulps`` units of the dtype's resolution at the output's scale plus ``wide_ulps`` units of fp32's at the larger
+    of the output's scale and that of ``terms``, the magnitude of what the result is computed from before it cancels
+    (a tensor: its ``max|.|``; a number: itself; None: the output's own; see the module docstring)."""
+    scale = scale_of(truth)
+    if terms is None:
+        wide_scale = scale
+    else:
+        wide_scale = max(scale, scale_of(terms) if isinstance(terms, torch.Tensor) else float(terms))
+    return ulps * resolution(dtype) * scale + wide_ulps * resolution(torch.float32) * wide_scale
 
 
 class Comparison(NamedTuple):
@@ -171,10 +202,11 @@ def compare(
     wide_ulps: float = 0,
     what: str = "",
     stages: int = 1,
+    terms: torch.Tensor | float | None = None,
 ) -> Comparison:
     """The rule applied to one tensor: ``actual`` (the result under test, any float dtype), ``truth`` (the same
     quantity in float64), ``baseline`` (torch's or transformers' own computation in ``actual``'s dtype on the same
-    inputs). ``eps`` defaults to :func:`default_eps` with ``ulps`` and ``wide_ulps``."""
+    inputs). ``eps`` defaults to :func:`default_eps` with ``ulps``, ``wide_ulps`` and ``terms``."""
     assert actual.is_floating_point(), f"{what}: {actual.dtype} is not a floating dtype"
     assert truth.dtype == torch.float64, f"{what}: the truth must be float64, got {truth.dtype}"
     assert baseline.dtype == actual.dtype, f"{what}: baseline is {baseline.dtype}, actual {actual.dtype}"
@@ -182,7 +214,7 @@ def compare(
         f"{what}: shapes {tuple(actual.shape)}, {tuple(truth.shape)}, {tuple(baseline.shape)}"
     )
     if eps is None:
-        eps = default_eps(actual.dtype, truth, ulps, wide_ulps)
+        eps = default_eps(actual.dtype, truth, ulps, wide_ulps, terms)
     baseline_error = max_error(baseline, truth)
     return Comparison(
         what=what,
@@ -205,19 +237,40 @@ def assert_error_within(
     wide_ulps: float = 0,
     what: str = "",
     stages: int = 1,
+    terms=None,
 ) -> None:
     """Pass when max|actual - truth| <= factor * max|baseline - truth| + eps and the baseline agrees with the truth
-    (:func:`compare`). Tuples/lists of tensors are compared pairwise, each pair with its own scale. The failure
-    message gives both errors and the bound."""
+    (:func:`compare`). Tuples/lists of tensors are compared pairwise, each pair with its own scale (and its own
+    ``terms``, given as a sequence alike). The failure message gives both errors and the bound."""
     if isinstance(actual, Sequence) and not isinstance(actual, torch.Tensor):
         assert len(actual) == len(truth) == len(baseline), f"{what}: {len(actual)}, {len(truth)}, {len(baseline)} items"
-        for i, (a, t, b) in enumerate(zip(actual, truth, baseline, strict=True)):
+        each_terms = [None] * len(actual) if terms is None else terms
+        assert len(each_terms) == len(actual), f"{what}: {len(each_terms)} terms for {len(actual)} items"
+        for i, (a, t, b, s) in enumerate(zip(actual, truth, baseline, each_terms, strict=True)):
             assert_error_within(
-                a, t, b, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=f"{what}[{i}]", stages=stages
+                a,
+                t,
+                b,
+                factor=factor,
+                eps=eps,
+                ulps=ulps,
+                wide_ulps=wide_ulps,
+                what=f"{what}[{i}]",
+                stages=stages,
+                terms=s,
             )
         return
     comparison = compare(
-        actual, truth, baseline, factor=factor, eps=eps, ulps=ulps, wide_ulps=wide_ulps, what=what, stages=stages
+        actual,
+        truth,
+        baseline,
+        factor=factor,
+        eps=eps,
+        ulps=ulps,
+        wide_ulps=wide_ulps,
+        what=what,
+        stages=stages,
+        terms=terms,
     )
     assert comparison.passed, comparison.message()
 

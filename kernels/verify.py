@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from triton.backends.compiler import GPUTarget
 
 from .attention.config import backward_launch_config, launch_config
-from .tolerance import DEFAULT_ULPS, Comparison, compare, default_eps, resolution, scale_of
+from .tolerance import DEFAULT_ULPS, Comparison, compare, default_eps
 
 __all__ = [
     "ATTENTION_CASES",
@@ -217,14 +217,12 @@ def attention_comparisons(
     ``block_n`` (the kernel's key block) and its largest scaled logit (``logits``, from :func:`max_abs_logits`).
     The fp32 ulps, and ``term_ulps`` more, count at the larger of the segment's scale and that of ``terms``, the
     magnitude of the result's terms before they cancel (:func:`uncancelled_gradient_scales`; None: the result's
-    own)."""
+    own; :func:`~.tolerance.default_eps`)."""
     comparisons = []
     for (start, end), logit in zip(segment_bounds(cu_seqlens), logits, strict=True):
         part = slice(start, end)
         wide = online_softmax_wide_ulps(end - start, block_n, logit) + term_ulps
-        eps = default_eps(out.dtype, truth[part], DEFAULT_ULPS)
-        wide_scale = max(scale_of(truth[part]), 0.0 if terms is None else scale_of(terms[part]))
-        eps += wide * resolution(torch.float32) * wide_scale
+        eps = default_eps(out.dtype, truth[part], DEFAULT_ULPS, wide, None if terms is None else terms[part])
         comparison = compare(out[part], truth[part], baseline[part], eps=eps, what=f"{what} [{start}:{end})")
         if not comparison.passed and comparison.baseline_agrees:
             where = where_wrong(out[part], truth[part], comparison.bound)
@@ -258,15 +256,18 @@ def _index_ranges(mask: torch.Tensor, most: int = 6) -> str:
 
 
 def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale=None, positions=None, rope_theta=10000.0):
-    """The scale of each of dq, dk, dv before its terms cancel, in float64: what each gradient would be if every
-    term of its sums added with one sign, ``|dS| <= P * (|dP| + |delta|)`` in place of ``dS = P * (dP - delta)``
-    (``dP = dO v^T``, ``delta = rowsum(dO * out)``) and absolute values of the operands; with positions, of the
-    rotated q and k (the gradients before the rotation back).
+    """The scale of each of dq, dk, dv before its terms cancel, in float64, from the inputs alone: what each gradient
+    would be if every term of every sum in it added with one sign, ``P * (|dO| |v|^T + rowsum(|dO| * |out|))`` in
+    place of ``dS = P * (dP - delta)`` (``dP = dO v^T``, ``delta = rowsum(dO * out)``) and absolute values of the
+    operands of the products with q, k and dO; with positions, of the rotated q and k (the gradients before the
+    rotation back).
 
     ``dP - delta`` cancels exactly for a one-token segment: its dq and dk are 0 in float64 and in torch's one-pass
     softmax backward, so the rule's bound is 0 there. A kernel that computes ``delta`` from the stored output, as
     flash attention's backward does, sums the same products as ``dP`` in another order, in its fp32 accumulators,
-    and leaves a few fp32 roundings at these scales instead."""
+    and leaves a few fp32 roundings at the scale of those products instead: of ``|dO| . |v|``, not of ``|dO . v|``,
+    which cancels over the head dim in its turn (a one-token segment's ``dO . v`` can be a tenth of its terms: the
+    bound went with it, and whether the two orders round alike is the BLAS's and the SIMD width's to decide)."""
     scale = _scale(q.shape[-1], softmax_scale)
     if positions is not None:
         q, k = float64_rotary(q, k, positions, rope_theta)
@@ -275,9 +276,9 @@ def uncancelled_gradient_scales(q, k, v, cu_seqlens, grad_out, softmax_scale=Non
     for start, end in segment_bounds(cu_seqlens):
         qs, ks, vs, dos = (x[start:end].transpose(0, 1) for x in (q, k, v, grad_out))
         probs = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)
-        d_probs = dos @ vs.transpose(1, 2)
-        delta = (dos * (probs @ vs)).sum(-1, keepdim=True)
-        d_logits = probs * (d_probs.abs() + delta.abs()) * scale
+        d_probs = dos.abs() @ vs.abs().transpose(1, 2)
+        delta = (dos.abs() * (probs @ vs).abs()).sum(-1, keepdim=True)
+        d_logits = probs * (d_probs + delta) * scale
         segment = (d_logits @ ks.abs(), d_logits.transpose(1, 2) @ qs.abs(), probs.transpose(1, 2) @ dos.abs())
         for whole, part in zip(scales, segment):
             whole[start:end] = part.transpose(0, 1)

@@ -1,10 +1,11 @@
-"""qvl.kernels.tolerance's summary of several comparisons (worst_of): what qvl check's table and the tile sweep read."""
+"""qvl.kernels.tolerance's summary of several comparisons (worst_of): what qvl check's table and the tile sweep read;
+the floor a result that cancels takes from its terms' scale (default_eps's ``terms``)."""
 
 import math
 
 import torch
 
-from tolerance import compare, worst_of
+from tolerance import compare, default_eps, resolution, worst_of
 
 
 def comparison(error: float, what: str):
@@ -33,3 +34,23 @@ def test_an_exact_result_on_a_bound_of_zero_passes():
     exact = compare(zero.float(), zero, zero.float(), eps=0.0)
     assert exact.bound == 0 and exact.passed
     assert worst_of([exact]) == (0.0, True, "")
+
+
+def test_a_result_that_cancels_is_held_at_its_terms_scale():
+    """``a . b - a . b`` summed in two orders: 0 exactly in float64 and in a baseline that sums both alike, a few fp32
+    roundings of ``|a| . |b|`` where the orders differ. The output's scale gives a bound of 0; the terms' scale, from
+    the inputs, gives ``wide_ulps`` fp32 ulps of it, and no more: an error of the terms' size still fails."""
+    a, b = torch.randn(2, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    terms = (a.abs() @ b.abs()).reshape(1)
+    truth = torch.zeros(1, dtype=torch.float64)
+    roundings = 2 * resolution(torch.float32) * terms
+    cancelled = roundings.half()
+    assert cancelled.item() != 0
+    assert not compare(cancelled, truth, truth.half(), wide_ulps=4).passed
+    assert compare(cancelled, truth, truth.half(), wide_ulps=4, terms=terms).passed
+    assert compare(cancelled, truth, truth.half(), wide_ulps=4, terms=terms.item()).passed
+    assert not compare((0.01 * terms).half(), truth, truth.half(), wide_ulps=4, terms=terms).passed
+    assert default_eps(torch.float16, truth, wide_ulps=4, terms=terms) == 4 * resolution(torch.float32) * terms.item()
+    # Terms smaller than the output leave the output's scale in charge.
+    one = torch.ones(1, dtype=torch.float64)
+    assert default_eps(torch.float16, one, wide_ulps=4, terms=0.5) == default_eps(torch.float16, one, wide_ulps=4)
