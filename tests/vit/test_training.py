@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from test_hf_patch import GRID, float64_run, tiny_full_model, tiny_vl_config
+from test_hf_patch import GRID, as_computed, float64_run, tiny_full_model, tiny_vl_config
 from test_hf_patch import image_inputs as qwen3_inputs
 from test_model import one_intra_op_thread, peak_tensor_bytes
 from test_qwen2_towers import FAMILIES as QWEN2_FAMILIES
@@ -77,14 +77,21 @@ def train_step(model, inputs, rotary=(), float64=False) -> torch.Tensor:
     return loss.detach()
 
 
-def assert_gradients_within(patched, reference, reference64, what: str) -> None:
-    """Every parameter that got a gradient in transformers got one through qvl, within rounding."""
+def assert_gradients_within(patched, reference, reference64, what: str, computed_in: torch.dtype | None = None) -> None:
+    """Every parameter that got a gradient in transformers got one through qvl, within rounding; ``computed_in``:
+    the autocast dtype the gradients were computed in (each judged in it: :func:`test_hf_patch.as_computed`)."""
     checked = 0
     pairs = zip(patched.named_parameters(), reference.parameters(), reference64.parameters(), strict=True)
     for (name, param), expected, truth in pairs:
         assert (param.grad is None) == (expected.grad is None), f"{what}: {name}"
         if param.grad is not None:
-            assert_error_within(param.grad, truth.grad, expected.grad, what=f"{what}: {name}.grad", stages=MODEL_STAGES)
+            assert param.grad.dtype == expected.grad.dtype == param.dtype, f"{what}: {name}.grad"
+            got, baseline = (
+                (param.grad, expected.grad)
+                if computed_in is None
+                else as_computed([param.grad, expected.grad], computed_in)
+            )
+            assert_error_within(got, truth.grad, baseline, what=f"{what}: {name}.grad", stages=MODEL_STAGES)
             checked += 1
     assert checked
 
@@ -109,6 +116,26 @@ def test_full_fine_tuning(name):
     (patched, reference, reference64), (loss, loss64, patched_loss) = run_three(model, inputs, rotary)
     assert_error_within(patched_loss, loss64, loss, what=f"{name} loss", stages=MODEL_STAGES)
     assert_gradients_within(patched, reference, reference64, name)
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+def test_mixed_precision_fine_tuning(name, tower_calls):
+    """fp32 weights under bf16 autocast (the mixed-precision recipe of HF Trainer, accelerate, Lightning and timm):
+    the patched tower runs on qvl (no fallback), and the loss and every parameter's gradient are within the rule of
+    transformers' own autocast run, judged at bf16's resolution, the float64 model without autocast as the truth.
+    Qwen2.5-VL keeps a 16-bit residual stream (no position table) through RMSNorms and window attention."""
+    model, inputs, rotary = MODELS[name](seed=60)
+    reference, patched = copy.deepcopy(model).train(), patch_model(copy.deepcopy(model)).train()
+    reference64 = float64_copy(model).train()
+    loss64 = train_step(reference64, inputs, rotary, float64=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = train_step(reference, inputs)
+        patched_loss = train_step(patched, inputs)
+    assert len(tower_calls) == 1
+    assert_error_within(
+        as_computed([patched_loss]), [loss64], as_computed([loss]), what=f"{name} loss", stages=MODEL_STAGES
+    )
+    assert_gradients_within(patched, reference, reference64, f"{name} under bf16 autocast", torch.bfloat16)
 
 
 def test_merger_only_and_frozen_tower():
@@ -170,10 +197,13 @@ def test_gradient_checkpointing_and_input_require_grads():
     assert_gradients_within(patched, reference, reference64, "input require grads")
 
 
-def test_hf_trainer_steps_with_checkpointing(tmp_path, block_runs):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_hf_trainer_steps_with_checkpointing(tmp_path, block_runs, bf16):
     """Three HF Trainer steps (gradient_checkpointing=True, SGD at a constant rate) on a patched tiny Qwen3-VL: each
-    step's loss is the unpatched model's within the rounding bound of a float64 run, and the tower's blocks are
-    recomputed in every backward."""
+    step's loss is the unpatched model's within the rounding bound of a float64 run, and the tower's blocks run on
+    qvl and are recomputed in every backward. ``bf16``: ``TrainingArguments(bf16=True)`` on the fp32 model
+    (accelerate's bf16 autocast over fp32 weights), the float64 run without it; losses judged at bf16's
+    resolution."""
     from transformers import Trainer, TrainingArguments
 
     model, inputs, rotary = qwen3_vl(seed=47)
@@ -196,14 +226,20 @@ def test_hf_trainer_steps_with_checkpointing(tmp_path, block_runs):
             gradient_checkpointing=True,
             gradient_checkpointing_kwargs={"use_reentrant": False},
             use_cpu=True,
+            bf16=bf16 and not float64,
             report_to=[],
             save_strategy="no",
             disable_tqdm=True,
         )
         trainer = Recording(model=model, args=args, train_dataset=[inputs] * steps, data_collator=lambda rows: rows[0])
-        trainer.losses = []
+        trainer.losses, autocast = [], []
+        # The autocast each tower call runs under (accelerate wraps the model's forward in it for bf16=True).
+        model.model.visual.register_forward_pre_hook(
+            lambda *_: autocast.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        )
         with rotary_in_float64(*rotary) if float64 else contextlib.nullcontext():
             trainer.train()
+        assert autocast == [bf16 and not float64 and torch.bfloat16] * steps
         return torch.stack(trainer.losses)
 
     expected = train(copy.deepcopy(model), "unpatched")
@@ -213,6 +249,8 @@ def test_hf_trainer_steps_with_checkpointing(tmp_path, block_runs):
         warnings.simplefilter("error", UnfusedFallbackWarning)
         got = train(patch_model(copy.deepcopy(model)), "patched")
     assert len(block_runs) == 2 * len(model.model.visual.blocks) * steps
+    if bf16:
+        got, expected = as_computed([got, expected])
     assert_error_within(got, truth, expected, what="Trainer losses", stages=MODEL_STAGES)
 
 
