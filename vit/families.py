@@ -44,7 +44,10 @@ class ModuleNames:
     """Where a tower's module tree keeps the parts whose names differ between families and engines, as dotted
     paths (a digit indexes a sequence): the MLP's input linears (one for a GELU MLP; gate and up, or one stacked
     gate_up, for SwiGLU) and output linear under each block's ``mlp``, each merger's norm and two linears, the
-    list of deepstack mergers, and each block's stacked q/k/v linear."""
+    list of deepstack mergers, and each block's stacked q/k/v linear; under the tower, its main merger (None: the
+    runner stops after the blocks) and its learned position table, a parameter whose owner the runner calls as a
+    module (transformers' ``pos_embed.weight``) or, named without a dot, one of the tree's own (timm's ``pos_embed``,
+    ``(1, side**2, C)``), read in the tree's own call."""
 
     mlp_in: tuple[str, ...]
     mlp_out: str
@@ -53,6 +56,8 @@ class ModuleNames:
     merger_fc2: str
     deepstack_mergers: str = "deepstack_merger_list"
     attn_qkv: str = "attn.qkv"
+    merger: str | None = "merger"
+    position_table: str = "pos_embed.weight"
 
 
 QWEN3_VL_NAMES = ModuleNames(("linear_fc1",), "linear_fc2", "norm", "linear_fc1", "linear_fc2")
@@ -64,6 +69,9 @@ QWEN2_VL_NAMES = ModuleNames(("fc1",), "fc2", "ln_q", "mlp.0", "mlp.2")
 STACKED_QWEN2_5_VL_NAMES = dataclasses.replace(QWEN2_5_VL_NAMES, mlp_in=("gate_up_proj",))
 # SGLang's towers call the stacked q/k/v linear of their VisionAttention layers qkv_proj.
 SGLANG_QWEN3_VL_NAMES = dataclasses.replace(QWEN3_VL_NAMES, attn_qkv="attn.qkv_proj")
+# timm's qwen3_vit encoders (qvl.vit.timm_patch): Mlp fc1/fc2 in the blocks, the projector's norm/fc1/fc2, the
+# position table a parameter of the encoder itself.
+TIMM_QWEN3_VIT_NAMES = ModuleNames(("fc1",), "fc2", "norm", "fc1", "fc2", position_table="pos_embed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,9 +65,10 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def runs_itself(module: nn.Module) -> bool:
-    """Whether ``module`` must be called rather than read: it is not a plain ``nn.Linear`` / ``nn.Conv3d`` (a
-    PEFT LoRA layer, a subclass with its own forward) or it has forward hooks (which only a call runs)."""
-    plain = type(module).forward in (nn.Linear.forward, nn.Conv3d.forward)
+    """Whether ``module`` must be called rather than read: it is not a plain ``nn.Linear`` / ``nn.Conv3d`` /
+    ``nn.Conv2d`` (a PEFT LoRA layer, a subclass with its own forward) or it has forward hooks (which only a call
+    runs)."""
+    plain = type(module).forward in (nn.Linear.forward, nn.Conv3d.forward, nn.Conv2d.forward)
     return not plain or bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -83,7 +84,8 @@ def linear_parts(module: nn.Module) -> tuple[torch.Tensor | Product, torch.Tenso
 def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """A tower's patch embedding: ``proj`` a bias-optional ``nn.Conv3d`` whose kernel equals its stride, on
     ``pixel_values`` ``(T, C * t * p * p)``: one matmul (the conv of one patch is a dot product), or a call of
-    ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype.
+    ``proj`` when it must run itself (:func:`runs_itself`). Returns ``(T, hidden)`` in the weight's dtype. An
+    ``nn.Conv2d`` (timm's, one frame) is a ``t = 1`` one: rows ``(T, C * p * p)``.
 
     Folded image rows ``(T, C * p * p)`` (an image's ``t`` temporal slots hold the same frame, so each row holds it
     once) take the weight with its temporal slices summed (:func:`folded_patch_weight`): half the matmul for
@@ -95,7 +97,8 @@ def embed_patches(proj: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     for the call and releases it after)."""
     weight = proj.weight
     pixel_values = pixel_values.to(weight.dtype)
-    slots, height, width = proj.kernel_size
+    *slots, height, width = proj.kernel_size
+    slots = slots[0] if slots else 1
     folded = slots > 1 and pixel_values.shape[-1] == proj.in_channels * height * width
     if runs_itself(proj):
         if folded:

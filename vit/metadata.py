@@ -36,6 +36,7 @@ __all__ = [
     "build_window_metadata",
     "check_grid",
     "check_int",
+    "equal_images_inputs",
     "grid_as_numpy",
     "to_device",
 ]
@@ -324,6 +325,64 @@ def build_metadata(
         token_counts=tuple(token_counts.tolist()),
         merged_token_counts=tuple((token_counts // (merge * merge)).tolist()),
     )
+
+
+def equal_images_inputs(
+    batch: int,
+    height: int,
+    width: int,
+    spatial_merge_size: int,
+    num_grid_per_side: int | None,
+    device: torch.device | str,
+) -> DeviceInputs:
+    """The device inputs of ``batch`` images of ``height x width`` patches each (a library's batch of equal-size
+    images: ``batch`` segments), built on ``device`` with torch ops from the sizes alone: what :func:`build_metadata`
+    gives for ``[[1, height, width]] * batch``, bit for bit (the same fp32 arithmetic), without host work, so that a
+    caller's ``torch.compile`` traces it, sizes symbolic, into the same graph as the forward (no graph break, no
+    recompile as sizes change). ``spatial_merge_size`` 1 gives raster order. The sizes are not checked (h and w
+    divisible by the merge size: the caller's)."""
+    merge = spatial_merge_size
+    tokens = height * width
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
+    rows = torch.arange(height, dtype=torch.int32, device=device)
+    cols = torch.arange(width, dtype=torch.int32, device=device)
+
+    def merge_order(per_token: torch.Tensor) -> torch.Tensor:
+        """``(h, w, k)`` in raster order -> ``(batch * h * w, k)`` in merge-block order, every image alike."""
+        blocks = per_token.view(height // merge, merge, width // merge, merge, -1).permute(0, 2, 1, 3, 4)
+        return blocks.reshape(1, tokens, -1).expand(batch, -1, -1).reshape(batch * tokens, -1)
+
+    positions = merge_order(torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1))
+    if num_grid_per_side is None:
+        return DeviceInputs(cu_seqlens, positions, None, None, None, None, None, tokens)
+    side = num_grid_per_side
+    (h_taps, h_weights), (w_taps, w_weights) = (_axis_taps_torch(axis, side) for axis in (rows, cols))
+    # Tap order (h0, w0), (h0, w1), (h1, w0), (h1, w1), each weight one fp32 product: as _frame_plans.
+    indices = h_taps[:, None, :, None] * side + w_taps[None, :, None, :]
+    weights = h_weights[:, None, :, None] * w_weights[None, :, None, :]
+    return DeviceInputs(
+        cu_seqlens,
+        positions,
+        merge_order(indices.reshape(height, width, 4)),
+        merge_order(weights.reshape(height, width, 4)),
+        None,
+        None,
+        None,
+        tokens,
+    )
+
+
+def _axis_taps_torch(index: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_axis_taps` in torch for one axis of ``n`` positions ``index = arange(n)``: taps ``(n, 2)`` int32 and
+    weights ``(n, 2)`` fp32, with the same fp32 operations in the same order."""
+    size = index.shape[0]
+    src = index.to(torch.float32) * float(side - 1) / float(max(size - 1, 1))
+    floor = torch.floor(src)
+    frac = src - floor
+    weights = torch.stack(((1 - frac).clamp_min(0), (1 - (frac - 1).abs()).clamp_min(0)), dim=-1)
+    base = floor.to(torch.int32)
+    taps = torch.stack((base.clamp_max(side - 1), (base + 1).clamp_max(side - 1)), dim=-1)
+    return taps, weights
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

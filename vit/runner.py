@@ -139,11 +139,12 @@ class TowerSpec:
 
 class TowerOutputs(NamedTuple):
     """A device forward's results: ``last_hidden_state (T, C)`` (in the blocks' token order: window order for a
-    windowed tower, as transformers returns it), ``merged (T / m^2, out_hidden)`` in the input's order, and the
-    deepstack mergers' outputs of the same shape (an empty list for towers without them)."""
+    windowed tower, as transformers returns it), ``merged (T / m^2, out_hidden)`` in the input's order (None where
+    the tree's names have no merger), and the deepstack mergers' outputs of the same shape (an empty list for towers
+    without them)."""
 
     last_hidden_state: torch.Tensor | None
-    merged: torch.Tensor
+    merged: torch.Tensor | None
     deepstack: list[torch.Tensor]
 
 
@@ -212,11 +213,17 @@ def patch_embed_step(patch_embed: nn.Module, pixel_values: torch.Tensor) -> torc
 
 
 def position_step(
-    pos_embed: nn.Module, x: torch.Tensor, interp_indices: torch.Tensor, interp_weights: torch.Tensor
+    pos_embed: nn.Module,
+    x: torch.Tensor,
+    interp_indices: torch.Tensor,
+    interp_weights: torch.Tensor,
+    table: str = "weight",
 ) -> torch.Tensor:
-    """``x`` plus the learned position table (``pos_embed.weight``) resampled per token; in place unless autograd
-    records it."""
-    table = pos_embed.weight
+    """``x`` plus the learned position table (``pos_embed``'s parameter ``table``, its leading dims flattened: timm
+    keeps it ``(1, side**2, C)``) resampled per token; in place unless autograd records it."""
+    table = getattr(pos_embed, table)
+    if table.dim() > 2:
+        table = table.flatten(0, -2)
     ops = ops_for(x.device)
     if needs_grad(x, table):
         return x + ops.pos_embed_interp(table, interp_indices, interp_weights).to(x.dtype)
@@ -364,7 +371,12 @@ def device_forward(
     parts = dict(spec=spec, all_reduce=all_reduce, linear=linear)
     x = call(tree.patch_embed, patch_embed_step, pixel_values)
     if spec.position_table:
-        x = call(tree.pos_embed, position_step, x, inputs.interp_indices, inputs.interp_weights)
+        owner, _, table = spec.names.position_table.rpartition(".")
+        plan = (inputs.interp_indices, inputs.interp_weights)
+        if owner:
+            x = call(part(tree, owner), position_step, x, *plan, table=table)
+        else:  # a table of the tree's own (timm's), read in the tree's call around this forward
+            x = position_step(tree, x, *plan, table=table)
     if spec.windowed:  # whole merge units into window order
         unit = spec.spatial_merge_size**2
         x = x.view(-1, unit, x.shape[1]).index_select(0, inputs.window_index).view(-1, x.shape[1])
@@ -390,7 +402,9 @@ def device_forward(
         if index in deepstack_mergers:
             merger = getattr(tree, spec.names.deepstack_mergers)[deepstack_mergers[index]]
             deepstack.append(call(merger, merger_step, x, postshuffle_norm=True, **parts))
-    merged = call(tree.merger, merger_step, x, postshuffle_norm=False, **parts)
+    if spec.names.merger is None:
+        return TowerOutputs(x, None, deepstack)
+    merged = call(part(tree, spec.names.merger), merger_step, x, postshuffle_norm=False, **parts)
     if spec.windowed:
         merged = merged.index_select(0, inputs.reverse_index)
     return TowerOutputs(x, merged, deepstack)
@@ -407,11 +421,21 @@ class ModuleForward:
     transformers before 5.23 checkpoints such a layer in its ``__call__``, around this forward: the step then runs
     as it is, inside that one checkpoint (from 5.23 the layer checkpoints its class's ``forward``, which this one
     replaces). Any other call runs the forward this one replaced (transformers' own, e.g. its unfused fallback).
+
+    ``checkpoint``: for a library that decides checkpointing above the module (timm's ``set_grad_checkpointing`` on
+    the encoder), called with the module at each call, it returns the checkpoint function to run the step through
+    (called as transformers' is), or None.
     """
 
-    def __init__(self, module: nn.Module, replaced: Callable | None):
+    def __init__(
+        self,
+        module: nn.Module,
+        replaced: Callable | None,
+        checkpoint: Callable[[nn.Module], Callable | None] | None = None,
+    ):
         self.module = module
         self.replaced = replaced
+        self.checkpoint = checkpoint
         self.checkpointed_by_call = _checkpointed_by_call(module)
 
     def original_forward(self) -> Callable:
@@ -423,6 +447,9 @@ class ModuleForward:
             return self.original_forward()(*args, **kwargs)
         step, options = qvl
         module = self.module
+        function = None if self.checkpoint is None else self.checkpoint(module)
+        if function is not None:
+            return function(functools.partial(step, module, **options), *args)
         if (
             getattr(module, "gradient_checkpointing", False)
             and module.training
@@ -478,21 +505,28 @@ def restore_forward(module: nn.Module, slot: str, replaced: Callable | None) -> 
 
 def _called_parts(tree: nn.Module, spec: TowerSpec) -> list[nn.Module]:
     """The modules :func:`device_forward` calls with ``module_calls=True``, inside any wrappers."""
-    parts = [tree.patch_embed, *tree.blocks, tree.merger]
-    if spec.position_table:
-        parts.append(tree.pos_embed)
+    names = spec.names
+    parts = [tree.patch_embed, *tree.blocks]
+    if names.merger is not None:
+        parts.append(part(tree, names.merger))
+    owner = names.position_table.rpartition(".")[0]
+    if spec.position_table and owner:
+        parts.append(part(tree, owner))
     if spec.deepstack_visual_indexes:
         parts += list(getattr(tree, spec.names.deepstack_mergers))
     return [unwrapped(module) for module in parts]
 
 
-def install_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
-    """Give each module :func:`device_forward` calls a :class:`ModuleForward` (once; again is harmless)."""
+def install_module_forwards(
+    tree: nn.Module, spec: TowerSpec, checkpoint: Callable[[nn.Module], Callable | None] | None = None
+) -> None:
+    """Give each module :func:`device_forward` calls a :class:`ModuleForward` (once; again is harmless), with
+    ``checkpoint`` (see :class:`ModuleForward`)."""
     for module in _called_parts(tree, spec):
         slot = forward_slot(module)
         current = vars(module).get(slot)
         if not isinstance(current, ModuleForward):
-            setattr(module, slot, ModuleForward(module, current))
+            setattr(module, slot, ModuleForward(module, current, checkpoint))
 
 
 def remove_module_forwards(tree: nn.Module, spec: TowerSpec) -> None:
