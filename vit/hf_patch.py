@@ -9,23 +9,25 @@ so ``generate``, ``save_pretrained``, the processor, ``.to(device)`` and dtype c
 the weights stay where transformers put them. Training runs on qvl too (every op has a backward; adapters in the
 linears' places and gradient checkpointing are honoured). Calls that qvl's fused tower cannot serve (attention
 outputs, a tower offloaded submodule by submodule) run the forward the patch replaced, transformers' own, with an
-:class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward back.
+:class:`UnfusedFallbackWarning`; :func:`unpatch_model` puts that forward back. A timm model goes to the timm adapter
+(:mod:`qvl.vit.timm_patch`: timm's ``qwen3_vit_*`` backbones).
 """
 
 from __future__ import annotations
 
 import sys
 import types
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from . import timm_patch
 from .families import config_from_hf, family_of, supported_model_types
 from .layers import GradientMap
 from .metadata import check_grid, grid_as_numpy
 from .parallel import make_parallel
+from .patching import UnfusedFallbackWarning, devices_reason, warn_fallback
 from .runner import (
     TowerRunner,
     bound_forward,
@@ -47,12 +49,6 @@ __all__ = [
 
 # No "flash" in the name: transformers would then look for a flash-attn kernel under it.
 ATTENTION_NAME = "qvl_vision"
-
-
-class UnfusedFallbackWarning(UserWarning):
-    """A patched vision tower ran transformers' own (unfused) forward for a call qvl cannot serve; the message
-    says why. Each reason is warned about once (Python's default warning filter); filter this category to
-    silence them."""
 
 
 def _model_type(module) -> str | None:
@@ -141,12 +137,9 @@ class _PatchedForward:
         visual = self.visual
         if kwargs.get("output_attentions", getattr(visual.config, "output_attentions", False)):
             return "per-layer attention outputs were requested (output_attentions); qvl's fused attention has none"
-        devices = {param.device for param in visual.parameters()}
-        if len(devices) > 1 or torch.device("meta") in devices:
-            return (
-                "the vision tower's weights are not all on one device (offloaded by accelerate: on the meta device"
-                " until each submodule's hook loads them; or split over devices by a device map)"
-            )
+        reason = devices_reason(visual)
+        if reason is not None:
+            return reason
         if self.data_parallel is not None and output_hidden_states:
             return (
                 "output_hidden_states was requested in data-parallel mode, where each rank encodes only its share"
@@ -164,8 +157,7 @@ class _PatchedForward:
         output_hidden_states = kwargs.get("output_hidden_states", getattr(hf_config, "output_hidden_states", False))
         reason = self._unfused_reason(output_hidden_states, kwargs)
         if reason is not None:
-            message = f"qvl.vit.patch_model: {reason}; this call runs transformers' own vision forward"
-            warnings.warn(message, UnfusedFallbackWarning)
+            warn_fallback("qvl.vit.patch_model", reason, "transformers' own vision forward")
             output = self.original_forward()(hidden_states, grid_thw, **kwargs)
             if self.data_parallel is not None and torch.is_grad_enabled():
                 # Every rank ran the whole batch: its gradients are whole, and the ranks' sum (data mode's rule)
@@ -239,7 +231,8 @@ def patch_model(
     (``...ForConditionalGeneration``), inner models (``...Model``), bare vision models and subclasses of them;
     Qwen3-Omni-MoE's thinker and its vision encoder; Qwen2.5-VL and Qwen2-VL, whose towers run on
     :mod:`qvl.vit.qwen2_tower`, full, inner or vision models), or a module whose ``.model`` (or ``.thinker``, as
-    Qwen3-Omni's full model) is one (a wrapper, or a chain of them). Anything else raises TypeError. Patching
+    Qwen3-Omni's full model) is one (a wrapper, or a chain of them); or a timm ``qwen3_vit_*`` model
+    (:mod:`qvl.vit.timm_patch`, which takes none of the options below). Anything else raises TypeError. Patching
     again is harmless and sets the mode anew. ``print(model)`` shows the patch on the vision module;
     :func:`unpatch_model` undoes it.
 
@@ -291,6 +284,9 @@ def patch_model(
     record (training), ask for ``output_hidden_states`` or do not fit a budget run the normal path; a replayed
     call returns the same outputs. The tower must not be managed by a training stack (FSDP2, ZeRO-3: ValueError).
     """
+    if timm_patch.is_timm_model(model):
+        options = dict(parallel=parallel, group=group, token_budgets=token_budgets, max_segments=max_segments)
+        return timm_patch.patch_model(model, **options)
     visual = _vision_module(model, "patch_model")
     # The config check rejects a tower qvl cannot run, before anything changes.
     family, config = config_from_hf(visual.config)
@@ -330,6 +326,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     ``extra_repr`` it had before patching, in the slot the forward now lives in: under accelerate's hook
     wrapper (which stays) when the model was dispatched before or after patching. An unpatched model is
     returned unchanged; an unsupported one raises TypeError."""
+    if timm_patch.is_timm_model(model):
+        return timm_patch.unpatch_model(model)
     visual = _vision_module(model, "unpatch_model")
     slot, patched = _find_patch(visual)
     if patched is None:
@@ -345,6 +343,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model``'s vision tower runs on qvl kernels."""
+    if timm_patch.is_timm_model(model):
+        return timm_patch.is_patched(model)
     return _find_patch(_vision_module(model, "is_patched"))[1] is not None
 
 
