@@ -217,6 +217,11 @@ def _config(encoder: nn.Module, merge: int) -> VisionConfig:
     )
 
 
+def _drop_rate(module: nn.Module) -> float:
+    """An ``nn.Dropout``'s ``p`` or timm's ``DropPath``'s ``drop_prob``."""
+    return getattr(module, "p", None) or getattr(module, "drop_prob", 0.0) or 0.0
+
+
 def _hook_origin(hook) -> str:
     """The module a hook's function comes from (a bound method's, a partial's function's, a callable's class's)."""
     while hasattr(hook, "func"):  # functools.partial
@@ -228,8 +233,9 @@ class _TimmPatch:
     """The state of one patched timm encoder: its runners, the methods the patch replaced, and the checks of each
     call.
 
-    Two runners over the same modules: ``raster`` (merge size 1: raster order, no projector) for the features, and
-    ``merged`` (the projector's merge size: merge-block order, the projector run) for calls through the projector.
+    Two runners over the same modules: ``raster_runner`` (merge size 1: raster order, no projector) for the
+    features, and ``merge_runner`` (the projector's merge size: merge-block order, the projector run; None without a
+    projector) for calls through the projector.
     """
 
     def __init__(self, encoder: nn.Module, classifier: nn.Module | None):
@@ -270,12 +276,11 @@ class _TimmPatch:
         reason = devices_reason(self.encoder)
         if reason is not None:
             return reason
-        active = [m for m in self.dropouts if m.training and getattr(m, "p", getattr(m, "drop_prob", 0.0)) > 0]
+        active = [m for m in self.dropouts if m.training and _drop_rate(m) > 0]
         if active:
             return (
                 f"dropout or drop path is active in training ({type(active[0]).__name__} of rate"
-                f" {getattr(active[0], 'p', getattr(active[0], 'drop_prob', 0.0))}), which qvl's fused blocks do not"
-                " apply"
+                f" {_drop_rate(active[0])}), which qvl's fused blocks do not apply"
             )
         for name, module in self.modules:
             hooks = (
