@@ -35,7 +35,8 @@
 #   then most wanted first: host time per op, the whole tower (eager, replayed, transformers + SDPA eager), the
 #   bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports, writes nothing;
 #   tune_rows.log, tune_rows.json), rotary, the position table; qvl encode against its tower alone where time is
-#   left (bench_encode --device; encode.json). No attention tile sweep, no memcheck.
+#   left (bench_encode --device; encode.json), and there too timm's qwen3_vit_88m in a bf16 training step, timm
+#   against patch_model, both eager (bench_timm; timm.json). No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start and limit (seconds into the call) to
 # phases.txt there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
@@ -257,6 +258,22 @@ encode_device() {
     | tee -a "$out/bench.log" | tail -8
 }
 
+# timm's qwen3_vit_88m in a bf16 AMP training step (32 images of 224 x 224), timm eager against patch_model eager
+# (the compiled rows left out: compiling takes minutes), where timm imports: a machine without it gets the copy the
+# device tool carried in the checkout's .venv (carry .venv/lib/python3.X/site-packages/timm; timm's own dependencies,
+# torchvision among them, must be there), linked into the shim's folder.                       timm.json, bench.log
+timm_device() {
+  phase "timm backbone on the device" "$1"
+  local found
+  if ! timeout 30 python3 -c "import timm" >/dev/null 2>&1; then
+    for found in .venv/lib/python3*/site-packages/timm; do
+      [ -d "$found" ] && [ ! -e "$shim/timm" ] && ln -s "$PWD/$found" "$shim/timm"
+    done
+  fi
+  timeout -k 5 "$1" python3 -m bench.bench_timm --device cuda --batch 32 --rounds 5 \
+    --skip "timm compiled,qvl compiled" --json "$out/timm.json" 2>&1 | tee -a "$out/bench.log" | tail -12
+}
+
 rows_sweep() {
   phase "bandwidth-kernel sweep" "$1"
   # As the tile sweep: its budget for candidates, the rest for starting and writing.
@@ -285,7 +302,7 @@ goals() {
 case "$mode" in
   --tower) plan+=(
     "tower_tests 75 35" "bench_module 40 20 host" "tower_eager 120 50" "bench_module 50 20 merger"
-    "encode_device 60 0" "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
+    "encode_device 60 0" "timm_device 45 0" "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
   --attention) plan+=(
     "tile_sweep 55 25" "kernel_tests 90 40" "attention_no_flex 90 40 attention"
     "attention_no_flex 60 25 attention_backward" "attention_no_flex 30 15 window" ) ;;
