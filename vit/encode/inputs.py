@@ -6,6 +6,11 @@ numbered in a fixed order: the positional inputs in the order given, a folder's 
 before ``frame10``), a glob's matches sorted the same way, then each ``--list`` file's lines, then the ``--video``
 inputs. Decoding happens later, in the loader's worker processes; an input that cannot be read there is reported with
 its reason and skipped (:class:`InputFailure`), never ending the run.
+
+Data-set files are containers of inputs (:mod:`.containers`): a WebDataset tar shard, a Parquet file or a
+``datasets.save_to_disk`` folder named like a file (directly, in a list, by a glob or a brace range such as
+``data-{000000..000099}.tar``) gives one input per sample or row, in its order, with the :class:`Member` that says
+where its image is; its source is ``shard.tar/KEY``, ``file.parquet#ROW`` or ``folder#ROW``.
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from .containers import Member, expand_braces, is_container, list_container, read_member
 from .errors import EncodeError
 from .options import VIDEO_EXTENSIONS
 
 __all__ = [
     "Input",
     "InputFailure",
+    "Member",
     "VideoFile",
     "discover",
     "frame_files",
     "image_extensions",
     "read_image",
+    "read_input_image",
     "stamp",
 ]
 
@@ -41,10 +49,12 @@ class Input:
     Attributes:
         number: its place in the run (the ``i`` of its output keys ``image.{i}.*``).
         kind: ``"image"`` or ``"video"``.
-        source: the path as found (given, listed, matched or walked to).
+        source: the path as found (given, listed, matched or walked to); for a sample of a data-set file
+            ``shard.tar/KEY``, ``file.parquet#ROW`` or ``folder#ROW``.
         frames: a video given as a folder of frame images: the frame files in order; empty otherwise.
         problem: why discovery already knows it cannot be encoded (a glob that matches nothing, a folder with no
             frames), else None.
+        member: where a data-set file's sample is (:class:`~qvl.vit.encode.containers.Member`); None for a file.
     """
 
     number: int
@@ -52,6 +62,12 @@ class Input:
     source: str
     frames: tuple[str, ...] = ()
     problem: str | None = None
+    member: Member | None = None
+
+    @property
+    def key(self) -> str:
+        """The input's key in its container (a WebDataset key, a row number), else its source."""
+        return self.source if self.member is None else self.member.key
 
 
 class InputFailure(Exception):
@@ -85,22 +101,34 @@ def _kind(path: str) -> str:
     return "video" if os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS else "image"
 
 
-def _expand(path: str, media: frozenset[str], named: bool) -> list[Input]:
-    """``path`` as inputs (numbered later): a folder's media files, a glob's matches, else the path itself. A path
-    ``named`` on the command line that does not exist is an error (a typo, known before any work); one from a list
-    file is an input that fails when read."""
+def _container(path: str, image_column: str | None) -> list[Input]:
+    images = image_extensions()
+    return [Input(-1, "image", source, problem=problem, member=member)
+            for source, member, problem in list_container(path, image_column, images)]  # fmt: skip
+
+
+def _expand(path: str, media: frozenset[str], named: bool, image_column: str | None = None) -> list[Input]:
+    """``path`` as inputs (numbered later): a data-set file's samples, a folder's media files, a glob's or a brace
+    expression's matches, else the path itself. A path ``named`` on the command line that does not exist is an error
+    (a typo, known before any work); one from a list file is an input that fails when read."""
+    if not os.path.lexists(path):
+        expanded = expand_braces(path) if "{" in path else [path]
+        if len(expanded) > 1:
+            return [item for each in expanded for item in _expand(each, media, False, image_column)]
+        if glob.has_magic(path):
+            matches = sorted(glob.glob(path, recursive=True), key=natural_key)
+            if not matches:
+                return [Input(-1, "image", path, problem="no file matches this pattern")]
+            return [item for match in matches for item in _expand(match, media, False, image_column)]
+        if named:
+            raise EncodeError(f"{path}: no such file or directory")
+    if is_container(path):
+        return _container(path, image_column)
     if os.path.isdir(path):
         files = _walk(path, media)
         if not files:
             return [Input(-1, "image", path, problem="no image or video files in this folder")]
         return [Input(-1, _kind(file), file) for file in files]
-    if not os.path.lexists(path) and glob.has_magic(path):
-        matches = sorted(glob.glob(path, recursive=True), key=natural_key)
-        if not matches:
-            return [Input(-1, "image", path, problem="no file matches this pattern")]
-        return [item for match in matches for item in _expand(match, media, named=False)]
-    if named and not os.path.lexists(path):
-        raise EncodeError(f"{path}: no such file or directory")
     return [Input(-1, _kind(path), path)]
 
 
@@ -139,18 +167,23 @@ def frame_files(folder: str) -> list[str]:
     return sorted(frames, key=lambda path: natural_key(os.path.basename(path)))
 
 
-def discover(inputs: Sequence[str], videos: Sequence[str] = (), lists: Sequence[str] = ()) -> list[Input]:
+def discover(
+    inputs: Sequence[str], videos: Sequence[str] = (), lists: Sequence[str] = (), image_column: str | None = None
+) -> list[Input]:
     """The run's inputs, numbered: ``inputs`` (files, folders searched recursively for images and videos, glob
-    patterns such as ``photos/**/*.jpg``), the paths in the ``lists`` files (each line as an entry of ``inputs``), then
+    patterns such as ``photos/**/*.jpg``, brace expressions such as ``data-{000..099}.tar``, and data-set files:
+    WebDataset tar shards, Parquet files, datasets folders, whose samples are inputs with ``image_column`` their
+    image: :mod:`.containers`), the paths in the ``lists`` files (each line as an entry of ``inputs``), then
     ``videos`` (video files of any name, or folders of frame images, one video each).
 
-    Nothing is decoded. Raises :class:`EncodeError` for a path named in ``inputs`` or ``videos`` that does not exist
-    and for a list file that cannot be read; anything found wanting later (a glob that matches nothing, an empty
-    folder) becomes an :class:`Input` with its ``problem``."""
+    Nothing is decoded. Raises :class:`EncodeError` for a path named in ``inputs`` or ``videos`` that does not exist,
+    for a list file that cannot be read and for a data-set file without the image column; anything found wanting
+    later (a glob that matches nothing, an empty folder, a sample without an image) becomes an :class:`Input` with its
+    ``problem``."""
     media = image_extensions() | VIDEO_EXTENSIONS
-    found = [item for path in inputs for item in _expand(path, media, named=True)]
+    found = [item for path in inputs for item in _expand(path, media, True, image_column)]
     for name in lists:
-        found += [item for path in _read_list(name) for item in _expand(path, media, named=False)]
+        found += [item for path in _read_list(name) for item in _expand(path, media, False, image_column)]
     for path in videos:
         if not os.path.lexists(path):
             raise EncodeError(f"{path}: no such file or directory")
@@ -166,9 +199,10 @@ def discover(inputs: Sequence[str], videos: Sequence[str] = (), lists: Sequence[
 
 def stamp(item: Input) -> dict[str, int] | None:
     """What identifies the content of ``item`` without reading it: its size in bytes and modification time (for a
-    frame folder, its frames' total size and latest time); None where it cannot be read."""
+    frame folder, its frames' total size and latest time; for a sample of a data-set file, the file's); None where it
+    cannot be read."""
     try:
-        stats = [os.stat(path) for path in item.frames or (item.source,)]
+        stats = [os.stat(path) for path in item.frames or (item.source if item.member is None else item.member.path,)]
     except OSError:
         return None
     return {"size": sum(s.st_size for s in stats), "mtime_ns": max(s.st_mtime_ns for s in stats)}
@@ -194,6 +228,21 @@ def read_image(path: str) -> np.ndarray:
 
     try:
         return decode_image(path)
+    except (OSError, ValueError) as error:
+        raise _failure_of(error) from None
+
+
+def read_input_image(item: Input) -> np.ndarray:
+    """The image of ``item`` (a file, or a data-set file's sample) as :func:`read_image` gives it. Raises
+    :class:`InputFailure` with the reason where it cannot be read."""
+    if item.member is None:
+        return read_image(item.source)
+    import io
+
+    from .prepare import decode_image
+
+    try:
+        return decode_image(io.BytesIO(read_member(item.member)))
     except (OSError, ValueError) as error:
         raise _failure_of(error) from None
 

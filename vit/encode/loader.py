@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..processing import Processing
-from .inputs import Input, InputFailure, VideoFile, read_image, stamp
+from .inputs import Input, InputFailure, VideoFile, read_image, read_input_image, stamp
 from .prepare import MAX_ASPECT_RATIO, Preparer
 
 __all__ = ["CHUNK_BYTES", "Packer", "Piece", "PieceStream", "load"]
@@ -110,7 +110,7 @@ class PieceStream(IterableDataset):
     def _image(self, item: Input) -> Piece:
         start = time.perf_counter()
         identity = stamp(item)
-        pixels = read_image(item.source)
+        pixels = read_input_image(item)
         _check_aspect(pixels.shape[1], pixels.shape[0])
         decoded = time.perf_counter()
         piece = Piece(item, stamp=identity, decode_s=decoded - start)

@@ -10,8 +10,10 @@ runs (vectorised, on torch's threads), in a loader's workers or in the encoding 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -24,8 +26,9 @@ __all__ = ["MAX_ASPECT_RATIO", "Preparer", "decode_image"]
 MAX_ASPECT_RATIO = 200
 
 
-def decode_image(path: str | Path) -> np.ndarray:
-    """The image file at ``path`` as transformers' processors see it: ``(H, W, 3)`` uint8 RGB, upright (its EXIF
+def decode_image(path: str | Path | BinaryIO) -> np.ndarray:
+    """The image file at ``path`` (or an open binary file: a data-set sample's bytes) as transformers' processors
+    see it: ``(H, W, 3)`` uint8 RGB, upright (its EXIF
     orientation applied, as transformers' ``load_image`` does), and an image with transparency (an alpha band, or a
     palette or grey image with a transparent colour) laid over white exactly as transformers' ``convert_to_rgb`` lays
     it (PIL's ``alpha_composite`` onto opaque white).
@@ -36,7 +39,8 @@ def decode_image(path: str | Path) -> np.ndarray:
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    with open(path, "rb") as file:
+    opened = open(path, "rb") if isinstance(path, (str, Path)) else contextlib.nullcontext(path)
+    with opened as file:
         try:
             # Images past PIL's decompression-bomb threshold (89M pixels) but under its hard limit decode fine; PIL's
             # warning about them would print a site-packages path beside a run that succeeds.
