@@ -16,13 +16,12 @@ function of ``collective_rpc`` (a callable travels by cloudpickle) to its engine
 One ``llm.generate`` runs three requests, so one engine start (35-45 s on 2 CPU cores as vLLM spawns its
 processes, 15 s with VLLM_ENABLE_V1_MULTIPROCESSING=0; see ``run_engine``) covers one image,
 two images of different sizes in one prompt, and a 4-frame video. Decoding is greedy with a fixed length
-(EOS ignored): the tokens of two runs compare one to one. The JSON holds ``tokens`` (per request),
-``margins`` (per request and step: the log-probability gap between the two most likely tokens; random
-weights make some steps near-ties, at which two numerically different but equally correct runs may part),
-``num_prompt_tokens`` (per request, after the vision placeholders' expansion), ``worker_info`` (per worker:
-its pid, ``qvl``: None where vLLM did not load qvl's plugin, else the plugin's ``route_counts()``, ``state()``
-and ``towers()``, and its TRITON_INTERPRET),
-``load_s`` and ``generate_s``.
+(EOS ignored): the tokens of two runs compare one to one. The JSON holds ``dtype``, ``tokens`` (per request),
+``top_two`` (per request and step: the two highest-scoring tokens and their raw logits, ``[[token, logit],
+[token, logit]]``, highest first; random weights make some steps near-ties, at which two numerically different but
+equally correct runs may part), ``num_prompt_tokens`` (per request, after the vision placeholders' expansion),
+``worker_info`` (per worker: its pid, ``qvl``: None where vLLM did not load qvl's plugin, else the plugin's
+``route_counts()``, ``state()`` and ``towers()``, and its TRITON_INTERPRET), ``load_s`` and ``generate_s``.
 """
 
 import argparse
@@ -104,10 +103,11 @@ def requests(tokenizer, skip_video: bool) -> list[dict]:
     return batch
 
 
-def margin(step: dict) -> float:
-    """How decisive a greedy step was: the log-probability gap between its two most likely tokens."""
-    first, second = sorted((logprob.logprob for logprob in step.values()), reverse=True)[:2]
-    return round(first - second, 5)
+def top_two(step: dict) -> list[list]:
+    """A greedy step's two highest-scoring tokens and their raw logits (``logprobs_mode="raw_logits"``), highest
+    first: how decisive the step was, and at what scale its logits round."""
+    ranked = sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)[:2]
+    return [[token, entry.logprob] for token, entry in ranked]
 
 
 def worker_info(worker) -> dict:
@@ -220,20 +220,22 @@ def main(argv=None) -> int:
         limit_mm_per_prompt={"image": 2, "video": 1},
         generation_config="vllm",  # not the checkpoint's generation_config.json: plain greedy decoding
         seed=0,
+        logprobs_mode="raw_logits",  # each step's top tokens with their logits (the scale they round at)
         **options,
     )
     load_s = time.perf_counter() - start
 
     batch = requests(llm.get_tokenizer(), args.skip_video)
-    # logprobs=2: the two most likely tokens of each step, whose gap is the step's margin.
+    # logprobs=2: the two highest-scoring tokens of each step, whose gap is the step's margin.
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=2)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
 
     result = {
+        "dtype": args.dtype,
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
-        "margins": [[margin(step) for step in out.outputs[0].logprobs] for out in outputs],
+        "top_two": [[top_two(step) for step in out.outputs[0].logprobs] for out in outputs],
         "num_prompt_tokens": [len(out.prompt_token_ids) for out in outputs],
         "worker_info": llm.collective_rpc(worker_info),
         "load_s": round(load_s, 2),
