@@ -13,7 +13,14 @@ import sys
 from collections.abc import Sequence
 
 from .encode.errors import EncodeError
-from .encode.options import DEFAULT_BUDGET, DEFAULT_SHARD_BYTES, EMBEDDED_MAX_PIXELS, EncodeOptions, parse_size
+from .encode.options import (
+    DEFAULT_BUDGET,
+    DEFAULT_SHARD_BYTES,
+    EMBEDDED_MAX_PIXELS,
+    FORMATS,
+    EncodeOptions,
+    parse_size,
+)
 
 __all__ = ["ENCODE_EPILOG", "build_parser", "main"]
 
@@ -25,6 +32,10 @@ They are numbered in that order: the positional inputs as given (a folder's file
 natural order), then the --list files' lines, then the --video inputs. A path named on the command line must
 exist; an input that cannot be read (corrupt, unreadable, not an image) is reported with its reason, skipped and
 listed in the output, and the run goes on (exit status 2 when no input at all could be encoded).
+data-set files are inputs too, one per sample: WebDataset tar shards (.tar, uncompressed; a sample's image is its
+member with an image extension, its key the member name up to the first dot: source shard.tar/KEY), Parquet files
+and datasets save_to_disk folders (a row's --image-column: raw bytes or datasets' {{bytes, path}}; source
+file.parquet#ROW); brace ranges such as 'data-{{000000..000099}}.tar' expand like globs.
 
 output: -o PATH ending in .safetensors is one file, written at the end (for small jobs; the features are held
 until then); any other PATH is a folder of shards written as features arrive (--shard-size, --shard-inputs),
@@ -38,6 +49,9 @@ one file's metadata (safetensors string metadata; lists are JSON, one item per i
   grid_thw   [t, h, w] patch grid per input (t = frames / temporal_patch_size, padded up; null if skipped)
   model      checkpoint dir or "embedded-random"   dtype, backend, deepstack_visual_indexes
 read back with safetensors.safe_open(path, "pt"): .get_tensor("image.0.merged"), .metadata()
+--format parquet (or -o OUT.parquet): one row per encoded input: input, key, source, kind, grid_thw, merged,
+deepstack_0, ... (a list of out_hidden-long float lists per token; float32 for fp32 and bf16 runs): read with
+pyarrow, pandas or datasets.load_dataset("parquet", data_files="OUT/*.parquet").
 a shard folder's index.jsonl: one JSON object per input, in order: input (its i), source, kind, shard (the file
 holding its tensors), keys, grid_thw, sampling, size and mtime_ns (the file's when read), error.
 --resume continues a folder: the inputs in its complete shards are skipped (same inputs, same order, same model,
@@ -146,6 +160,12 @@ def _add_encode(commands) -> None:
         help="a file of input paths, one a line ('-': standard input); repeatable",
     )
     inputs.add_argument(
+        "--image-column",
+        metavar="NAME",
+        help="the image column of Parquet files and datasets folders (default: 'image', else their only column of "
+        "image bytes)",
+    )
+    inputs.add_argument(
         "--video",
         action="append",
         default=[],
@@ -216,6 +236,12 @@ def _add_encode(commands) -> None:
         default="features.safetensors",
         metavar="PATH",
         help="a .safetensors file, or a folder of shards (any other path) (default: %(default)s)",
+    )
+    output.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="the shards' format (default: an --output ending in .parquet or .safetensors is one file of that "
+        "format; a folder gets safetensors shards)",
     )
     output.add_argument(
         "--shard-size",
@@ -302,7 +328,9 @@ def _encode_options(args: argparse.Namespace) -> EncodeOptions:
         inputs=tuple(args.images),
         videos=tuple(args.video),
         lists=tuple(args.lists),
+        image_column=args.image_column,
         output=args.output,
+        format=args.format,
         model=args.model,
         dtype=args.dtype,
         device=args.device,

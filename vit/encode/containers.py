@@ -61,7 +61,6 @@ class Member:
     Attributes:
         format: ``"tar"``, ``"parquet"`` or ``"arrow"`` (a datasets folder's Arrow stream file).
         path: the container file.
-        key: the sample's key in its container: a WebDataset key, or the row number (over the whole file or folder).
         start, length: a tar member's data offset and size in bytes; a Parquet row group and the row within it; an
             Arrow file's row.
         column: the image column (Parquet, Arrow).
@@ -69,7 +68,6 @@ class Member:
 
     format: str
     path: str
-    key: str
     start: int
     length: int = 0
     column: str | None = None
@@ -127,7 +125,8 @@ def is_container(path: str) -> bool:
 
 
 def list_container(path: str, image_column: str | None, image_suffixes: frozenset[str]) -> list[tuple]:
-    """The samples of container ``path``: ``(source, member, problem)`` each (``member`` None and ``problem`` the
+    """The samples of container ``path``: ``(source, key, member, problem)`` each (``key`` the sample's key in its
+    container: a WebDataset key, or a row number over the whole file or folder; ``member`` None and ``problem`` the
     reason where a sample, or the container itself, cannot be read). Raises :class:`EncodeError` for an image
     column that is missing or ambiguous (``image_column`` names it; None: the default rule)."""
     if path.lower().endswith(TAR_SUFFIXES):
@@ -153,10 +152,11 @@ def list_tar(path: str, image_suffixes: frozenset[str]) -> list[tuple]:
         with open(path, "rb") as file:
             magic = file.read(6)
     except OSError as error:
-        return [(path, None, _reason(error))]
+        return [(path, None, None, _reason(error))]
     for prefix, name in _COMPRESSED.items():
         if magic.startswith(prefix):
-            return [(path, None, f"a {name}-compressed tar: qvl reads uncompressed WebDataset shards (decompress it)")]
+            reason = f"a {name}-compressed tar: qvl reads uncompressed WebDataset shards (decompress it)"
+            return [(path, None, None, reason)]
     samples: dict[str, list] = {}  # key -> [image member or None, extensions seen]
     problem = None
     try:
@@ -178,19 +178,19 @@ def list_tar(path: str, image_suffixes: frozenset[str]) -> list[tuple]:
                 sample = samples.setdefault(key, [None, []])
                 sample[1].append(extension)
                 if sample[0] is None and "." + extension.lower() in image_suffixes:
-                    sample[0] = Member("tar", path, key, info.offset_data, info.size)
+                    sample[0] = Member("tar", path, info.offset_data, info.size)
                 tar.members.clear()  # nothing kept per member: a shard of any size lists in little memory
     except (tarfile.TarError, OSError) as error:
-        return [(path, None, f"not a readable tar file ({_reason(error)})")]
+        return [(path, None, None, f"not a readable tar file ({_reason(error)})")]
     listed = []
     for key, (member, extensions) in samples.items():
         source = f"{path}/{key}"
         if member is None:
-            listed.append((source, None, f"no image member (the sample has {', '.join(extensions)})"))
+            listed.append((source, key, None, f"no image member (the sample has {', '.join(extensions)})"))
         else:
-            listed.append((source, member, None))
+            listed.append((source, key, member, None))
     if problem is not None:
-        listed.append((path, None, problem))
+        listed.append((path, None, None, problem))
     return listed
 
 
@@ -241,13 +241,13 @@ def list_parquet(path: str, image_column: str | None) -> list[tuple]:
     try:
         parquet = pa.parquet.ParquetFile(path)
     except (OSError, pa.ArrowException) as error:
-        return [(path, None, f"not a readable Parquet file ({_reason(error)})")]
+        return [(path, None, None, f"not a readable Parquet file ({_reason(error)})")]
     with parquet:
         column = _image_column(pa, parquet.schema_arrow, image_column, path)
         listed, row = [], 0
         for group in range(parquet.metadata.num_row_groups):
             for within in range(parquet.metadata.row_group(group).num_rows):
-                listed.append((f"{path}#{row}", Member("parquet", path, str(row), group, within, column), None))
+                listed.append((f"{path}#{row}", str(row), Member("parquet", path, group, within, column), None))
                 row += 1
     return listed
 
@@ -279,11 +279,11 @@ def list_dataset_folder(folder: str, image_column: str | None) -> list[tuple]:
         try:
             table = _open_arrow(pa, path)
         except (OSError, pa.ArrowException) as error:
-            listed.append((path, None, f"not a readable Arrow file ({_reason(error)})"))
+            listed.append((path, None, None, f"not a readable Arrow file ({_reason(error)})"))
             continue
         column = _image_column(pa, table.schema, image_column, folder)
         for within in range(table.num_rows):
-            listed.append((f"{folder}#{row}", Member("arrow", path, str(row), within, 0, column), None))
+            listed.append((f"{folder}#{row}", str(row), Member("arrow", path, within, 0, column), None))
             row += 1
     return listed
 

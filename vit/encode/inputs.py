@@ -55,6 +55,7 @@ class Input:
         problem: why discovery already knows it cannot be encoded (a glob that matches nothing, a folder with no
             frames), else None.
         member: where a data-set file's sample is (:class:`~qvl.vit.encode.containers.Member`); None for a file.
+        sample: a data-set file's sample's key in it (a WebDataset key, a row number); None for a file.
     """
 
     number: int
@@ -63,11 +64,12 @@ class Input:
     frames: tuple[str, ...] = ()
     problem: str | None = None
     member: Member | None = None
+    sample: str | None = None
 
     @property
     def key(self) -> str:
         """The input's key in its container (a WebDataset key, a row number), else its source."""
-        return self.source if self.member is None else self.member.key
+        return self.source if self.sample is None else self.sample
 
 
 class InputFailure(Exception):
@@ -103,8 +105,8 @@ def _kind(path: str) -> str:
 
 def _container(path: str, image_column: str | None) -> list[Input]:
     images = image_extensions()
-    return [Input(-1, "image", source, problem=problem, member=member)
-            for source, member, problem in list_container(path, image_column, images)]  # fmt: skip
+    return [Input(-1, "image", source, problem=problem, member=member, sample=key)
+            for source, key, member, problem in list_container(path, image_column, images)]  # fmt: skip
 
 
 def _expand(path: str, media: frozenset[str], named: bool, image_column: str | None = None) -> list[Input]:

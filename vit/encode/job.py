@@ -30,7 +30,7 @@ from .errors import EXIT_RUNTIME, EncodeError
 from .inputs import Input, discover, stamp
 from .invariance import fixed_row_products
 from .loader import Packer, Piece, load
-from .options import EncodeOptions, default_workers
+from .options import FORMATS, EncodeOptions, default_workers
 from .prepare import Preparer
 from .progress import Progress, Timings, plural
 from .tower import (
@@ -46,9 +46,12 @@ from .tower import (
     with_options,
 )
 from .writer import (
+    FeatureLayout,
     ShardWriter,
+    check_format,
     check_output,
     check_resumable,
+    index_name,
     merge_into_file,
     open_folder,
     read_shards,
@@ -77,11 +80,24 @@ def _check_extras() -> None:
         raise EncodeError(f"qvl encode needs pillow and tqdm ({error}); pip install 'qvl[hf]'") from None
 
 
+def _check_format(options: EncodeOptions) -> None:
+    """The output's format: ``--format`` agrees with a single file's suffix; Parquet needs pyarrow."""
+    named = next((fmt for fmt in FORMATS if options.output.lower().endswith("." + fmt)), None)
+    if options.format is not None and named is not None and options.format != named:
+        raise EncodeError(f"--format {options.format}: --output {options.output} is a {named} file")
+    if options.output_format == "parquet":
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise EncodeError("--format parquet needs pyarrow; pip install 'qvl[data]'") from None
+
+
 def run(options: EncodeOptions, log: Log = log) -> int:
     """Run one ``qvl encode`` job; returns the exit status. Raises :class:`EncodeError` (its ``status`` the exit
     status) for what the job cannot use or a failure that ends it. With ``options.parallel`` the process joins the
     process group a launcher (torchrun) describes, and leaves it at the end if it joined it."""
     _check_extras()
+    _check_format(options)
     if options.parallel is None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Each rank a launcher started would encode every input and write the same output.
@@ -148,6 +164,7 @@ def _entry(piece: Piece, keys: Sequence[str] = (), grid: list[int] | None = None
     return {
         "input": piece.item.number,
         "source": piece.item.source,
+        "key": piece.item.key,
         "kind": piece.item.kind,
         "keys": list(keys),
         "grid_thw": grid,
@@ -174,9 +191,9 @@ class _Job:
         output = Path(options.output)
         folder = _from_rank0(lambda: check_output(output, options.single_file, options.resume), self.rank, self.world)
         model = None if options.model is None else resolve_checkpoint(options.model, log)
-        kind, _, family, processing = model_kind(model)
+        kind, config, family, processing = model_kind(model)
         processing = with_options(processing, options)
-        inputs = discover(options.inputs, options.videos, options.lists)
+        inputs = discover(options.inputs, options.videos, options.lists, options.image_column)
         if not inputs:
             raise EncodeError("no inputs (give image or video files, folders, --list FILE or --video PATH)")
         tower = load_tower(model, dtype, device, "weights" if options.parallel == "weights" else None, kind)
@@ -220,7 +237,8 @@ class _Job:
         """This rank's share through the loader, the tower and the writer, then the index (or the single file)."""
         options, device = self.options, self.device
         writes = self.rank == 0 or options.parallel == "data"
-        writer = ShardWriter(folder, f"r{self.rank}", run_constants, options.shard_bytes, options.shard_inputs)
+        writer = ShardWriter(folder, f"r{self.rank}", run_constants, options.shard_bytes, options.shard_inputs,
+                             options.output_format, _layout(tower.config, tower_dtype(tower)))  # fmt: skip
         # The tower runs on torch's intra-op threads in this process (their count is never set here; DataLoader
         # sets its workers' to 1): the default leaves the tower the cores it runs on, on a CPU.
         workers = default_workers(device.type, torch.get_num_threads()) if options.workers is None else options.workers
@@ -248,6 +266,7 @@ class _Job:
         its number: same path, same size and modification time."""
         if not self.options.resume or not folder.is_dir():
             return []
+        check_format(folder, self.options.output_format)
         entries, constants = read_shards(folder)
         check_resumable(constants, run_constants, folder)
         for entry in entries:
@@ -273,10 +292,12 @@ class _Job:
         if self.rank == 0:
             if options.single_file:
                 tensors = merge_into_file(folder, Path(options.output), len(inputs))
-                wrote = f"wrote {options.output} ({plural(tensors, 'tensor')})"
+                unit = "row" if options.output_format == "parquet" else "tensor"
+                wrote = f"wrote {options.output} ({plural(tensors, unit)})"
             else:
-                write_index(folder, every)
-                wrote = f"wrote {folder}: {plural(len(every), 'input')} in the index ({folder / 'index.jsonl'})"
+                write_index(folder, every, options.output_format)
+                index = folder / index_name(options.output_format)
+                wrote = f"wrote {folder}: {plural(len(every), 'input')} in the index ({index})"
             patches = sum(grid[0] * grid[1] * grid[2] for grid in (entry["grid_thw"] for entry in encoded))
             videos = sum(entry["kind"] == "video" for entry in encoded)
             included = "decoding and torch.compile's compilation included" if options.compile else "decoding included"
@@ -295,6 +316,17 @@ class _Job:
         if not any(entry["error"] is None for entry in every):
             raise EncodeError(f"no input could be encoded ({plural(len(skipped), 'input')} skipped)")
         return 0
+
+
+def _layout(config, dtype: torch.dtype) -> FeatureLayout:
+    """The features of a tower of ``config`` computed in ``dtype`` (a Parquet shard's columns)."""
+    names = ("merged", *(f"deepstack.{j}" for j in range(len(config.deepstack_visual_indexes))))
+    return FeatureLayout(names, config.out_hidden_size, dtype)
+
+
+def tower_dtype(tower) -> torch.dtype:
+    """The dtype ``tower``'s weights (and so its features) are in."""
+    return next(tower.parameters()).dtype
 
 
 class _Encoder:

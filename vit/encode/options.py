@@ -10,6 +10,7 @@ import re
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_SHARD_BYTES",
+    "FORMATS",
     "EMBEDDED_MAX_PIXELS",
     "EncodeOptions",
     "VIDEO_EXTENSIONS",
@@ -23,6 +24,8 @@ EMBEDDED_MAX_PIXELS = 512 * 512
 # Patches per batch: a 1920x1080 photo at Qwen3-VL's settings is 8,160; larger inputs run alone.
 DEFAULT_BUDGET = 16384
 DEFAULT_SHARD_BYTES = 256 * 2**20
+# The shard formats of --format; an output named *.safetensors or *.parquet is one file of that format.
+FORMATS = ("safetensors", "parquet")
 # Files with these suffixes are videos (decoded with PyAV); --video takes a file of any name.
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"})
 
@@ -66,8 +69,12 @@ class EncodeOptions:
         inputs: image and video files, folders (searched recursively), glob patterns.
         videos: videos given as such: video files of any name, or folders of frame images (one video each).
         lists: files of input paths, one a line (``-``: standard input).
-        output: a path ending in ``.safetensors`` (one file, written at the end), else a folder of shards and an
-            index, written as features arrive.
+        image_column: the image column of Parquet files and datasets folders (None: ``image``, else their only
+            binary or image column).
+        output: a path ending in ``.safetensors`` or ``.parquet`` (one file, written at the end), else a folder of
+            shards and an index, written as features arrive.
+        format: the shards' format, ``"safetensors"`` or ``"parquet"`` (None: by the output's suffix, else
+            safetensors).
         model: checkpoint directory or Hugging Face Hub id; None: the embedded random-weight tower.
         dtype, device: torch names; None: the defaults for the device (:func:`qvl.vit.encode.tower.default_dtype`).
         compile: torch.compile the tower.
@@ -86,7 +93,9 @@ class EncodeOptions:
     inputs: tuple[str, ...] = ()
     videos: tuple[str, ...] = ()
     lists: tuple[str, ...] = ()
+    image_column: str | None = None
     output: str = "features.safetensors"
+    format: str | None = None
     model: str | None = None
     dtype: str | None = None
     device: str | None = None
@@ -108,5 +117,11 @@ class EncodeOptions:
 
     @property
     def single_file(self) -> bool:
-        """Whether the output is one safetensors file (else a folder of shards)."""
-        return self.output.lower().endswith(".safetensors")
+        """Whether the output is one file (``.safetensors`` or ``.parquet``; else a folder of shards)."""
+        return self.output.lower().endswith((".safetensors", ".parquet"))
+
+    @property
+    def output_format(self) -> str:
+        """The shards' format: ``format``, else the output file's suffix, else safetensors."""
+        suffix = next((name for name in FORMATS if self.output.lower().endswith("." + name)), None)
+        return self.format or suffix or "safetensors"
