@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from .encode.errors import EncodeError
 from .encode.options import (
     DEFAULT_BUDGET,
+    DEFAULT_RAY_GROUP,
     DEFAULT_SHARD_BYTES,
     EMBEDDED_MAX_PIXELS,
     FORMATS,
@@ -57,6 +58,12 @@ holding its tensors), keys, grid_thw, sampling, size and mtime_ns (the file's wh
 --resume continues a folder: the inputs in its complete shards are skipped (same inputs, same order, same model,
 dtype and preparation; a changed file is an error). A crash or kill -9 loses at most the inputs not yet in a
 written shard.
+
+--ray [ADDRESS] runs the stages on Ray Data (pip install 'qvl[data]'): decoding and preparation in CPU tasks, the
+tower in --ray-actors actors (one per GPU by default) that load the checkpoint once, each group of --shard-inputs
+inputs (default {DEFAULT_RAY_GROUP}) written as one shard named after its inputs, so a retried task or restarted
+actor writes it once; the features are the single process's, bit for bit on a CPU for one thread count. ADDRESS:
+auto, HOST:PORT or ray://HOST:PORT (a cluster), none or local (a Ray started here with --ray-cpus CPUs).
 
 batches: inputs are packed up to --budget patches per forward; a larger input runs alone, and a video runs in
 chunks of whole temporal patches within the budget (decoded, prepared and encoded chunk by chunk: any length
@@ -285,6 +292,31 @@ def _add_encode(commands) -> None:
         "each rank encodes its share of the inputs and writes its own shards (rank 0 the index); 'weights' "
         "shards the layers, rank 0 writes",
     )
+    ray = encode.add_argument_group("Ray (pip install 'qvl[data]')")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run on Ray Data: a cluster's ADDRESS (auto, HOST:PORT, ray://HOST:PORT), or none (or local) for a Ray "
+        "started on this machine",
+    )
+    ray.add_argument(
+        "--ray-cpus", type=_positive_int, metavar="N", help="CPUs of the Ray started here (default: every core)"
+    )
+    ray.add_argument(
+        "--ray-actors",
+        type=_positive_int,
+        metavar="N",
+        help="tower actors (default: one per GPU of the cluster; on a CPU, one)",
+    )
+    ray.add_argument(
+        "--ray-actor-cpus",
+        type=_positive_int,
+        metavar="N",
+        help="CPUs each tower actor holds, its torch threads on a CPU (default: 1 beside a GPU; on a CPU, half the "
+        "cluster's CPUs over the actors); the other CPUs decode and prepare",
+    )
     encode.set_defaults(run=_run_encode, check=_check_encode_args, subparser=encode)
 
 
@@ -312,7 +344,22 @@ def _add_check(commands) -> None:
     )
 
 
+def _is_ray_address(text: str) -> bool:
+    return text in ("", "auto", "local") or ":" in text
+
+
 def _check_encode_args(args: argparse.Namespace) -> None:
+    if args.ray is not None and not _is_ray_address(args.ray):
+        # Not an address (auto, local, HOST:PORT, ray://...): the first input, which --ray's optional value took.
+        args.images = [args.ray, *args.images]
+        args.ray = ""
+    if args.ray == "local":
+        args.ray = ""
+    if args.ray_cpus is not None and args.ray:
+        args.subparser.error(f"--ray-cpus: sets the CPUs of a Ray started here, not of the cluster at {args.ray}")
+    for name in ("ray_cpus", "ray_actors", "ray_actor_cpus"):
+        if getattr(args, name) is not None and args.ray is None:
+            args.subparser.error(f"--{name.replace('_', '-')}: only with --ray")
     if not args.images and not args.video and not args.lists:
         args.subparser.error("no inputs (give image or video files, folders, --list FILE or --video PATH)")
     for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
@@ -348,6 +395,10 @@ def _encode_options(args: argparse.Namespace) -> EncodeOptions:
         shard_bytes=args.shard_size,
         shard_inputs=args.shard_inputs,
         resume=args.resume,
+        ray=args.ray,
+        ray_cpus=args.ray_cpus,
+        ray_actors=args.ray_actors,
+        ray_actor_cpus=args.ray_actor_cpus,
     )
 
 

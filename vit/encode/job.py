@@ -6,7 +6,8 @@ option or file (exit status 2): the device, the output (written to once, by a pr
 paths named on the command line, a resumed folder's settings. Then the tower loads and the inputs stream through.
 With ``--parallel data`` each rank encodes every ``world``-th remaining input with a whole tower and writes its own
 shards; rank 0 writes the index of all of them. With ``--parallel weights`` every rank runs every batch on its share
-of the weights and rank 0 writes.
+of the weights and rank 0 writes. With ``--ray`` the same checks, resuming and index surround Ray Data's stages
+(:mod:`.ray`) instead of this process's loader and encoder.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def run(options: EncodeOptions, log: Log = log) -> int:
     process group a launcher (torchrun) describes, and leaves it at the end if it joined it."""
     _check_extras()
     _check_format(options)
+    if options.ray is not None:
+        from .ray import run as run_on_ray
+
+        return run_on_ray(options, log)
     if options.parallel is None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Each rank a launcher started would encode every input and write the same output.
@@ -196,8 +201,10 @@ class _Job:
         inputs = discover(options.inputs, options.videos, options.lists, options.image_column)
         if not inputs:
             raise EncodeError("no inputs (give image or video files, folders, --list FILE or --video PATH)")
-        tower = load_tower(model, dtype, device, "weights" if options.parallel == "weights" else None, kind)
-        config = tower.config
+        tower = None  # under --ray each tower actor loads its own
+        if options.ray is None:
+            tower = load_tower(model, dtype, device, "weights" if options.parallel == "weights" else None, kind)
+            config = tower.config
         run_constants = {
             "format": "qvl-encode/1",
             "model": options.model or "embedded-random",
@@ -222,11 +229,13 @@ class _Job:
         log(f"backend: {BACKEND_NAMES[backend]} on {device}, {run_constants['dtype']}")
         if earlier:
             log(f"resuming {folder}: {len(earlier)} of {plural(len(inputs), 'input')} already written")
-        if options.compile:
+        if options.compile and tower is not None:
             tower.compile()
 
         _from_rank0(lambda: open_folder(folder, options.single_file), self.rank, self.world)
         try:
+            if tower is None:
+                return self._encode_on_ray(config, processing, folder, inputs, share, earlier, run_constants)
             return self._encode(tower, processing, folder, inputs, share, earlier, run_constants)
         except BaseException:
             if options.single_file and self.rank == 0:  # its parts are of no use without the file
@@ -261,6 +270,42 @@ class _Job:
         timings.write += writer.seconds
         return self._finish(folder, inputs, earlier + entries, entries, elapsed, timings, workers)
 
+    def _encode_on_ray(self, config, processing, folder, inputs, share, earlier, run_constants) -> int:
+        """The remaining inputs through Ray Data's stages (:mod:`.ray`), then the index built from the shards."""
+        from . import ray as on_ray
+
+        options = self.options
+        actors, actor_cpus = on_ray.sizing(options, self.device.type)
+        options = dataclasses.replace(options, ray_actors=actors, ray_actor_cpus=actor_cpus)
+        dtype = run_constants["dtype"]
+        settings = on_ray.settings(options, folder, run_constants, processing, config, dtype, self.device.type)
+        self.log(
+            f"Ray: {plural(actors, 'tower actor')} ({plural(actor_cpus, 'CPU')}"
+            f"{', 1 GPU' if self.device.type == 'cuda' else ''} each), decoding and preparation in tasks of 1 CPU,"
+            f" shards of {plural(settings.group, 'input')}"
+        )
+        progress = Progress(len(share), enabled=options.progress)
+        start = time.perf_counter()
+        try:
+            written, timings = on_ray.encode(settings, share, actors, actor_cpus, progress, self.log)
+        finally:
+            progress.close()
+        elapsed = time.perf_counter() - start
+        for leftover in folder.glob(".shard-*.tmp"):  # a killed writer's: its group was written again
+            leftover.unlink(missing_ok=True)
+        # The index is the shards': every input in exactly one of them.
+        every, _ = read_shards(folder)
+        numbers = [entry["input"] for entry in every]
+        if len(numbers) != len(set(numbers)):
+            twice = sorted({number for number in numbers if numbers.count(number) > 1})[:5]
+            raise EncodeError(f"{folder}: inputs {twice} are in two shards (a folder two runs wrote into at once?)")
+        written_numbers = {entry["input"] for entry in written}
+        entries = [entry for entry in every if entry["input"] in written_numbers]
+        where = "in Ray tasks"
+        prepared = where if self.device.type == "cpu" else f"on {self.device} in the tower actors"
+        note = f", on Ray: {plural(actors, 'tower actor')}"
+        return self._finish(folder, inputs, every, entries, elapsed, timings, 0, (where, prepared), note)
+
     def _resumed(self, folder: Path, inputs: list[Input], run_constants: dict[str, str]) -> list[dict]:
         """The entries a resumed folder already holds (none without --resume), each checked against the input of
         its number: same path, same size and modification time."""
@@ -283,9 +328,9 @@ class _Job:
                     raise EncodeError(f"{item.source}: changed since it was encoded into {folder} (size or time)")
         return entries
 
-    def _finish(self, folder, inputs, every, entries, elapsed, timings, workers) -> int:
+    def _finish(self, folder, inputs, every, entries, elapsed, timings, workers, where=None, note="") -> int:
         """Rank 0 writes the index (or merges the single file) and reports; every rank raises where nothing at all
-        could be encoded."""
+        could be encoded. ``where``: where decoding and preparation ran (default: the loader's ``workers``)."""
         options, log = self.options, self.log
         encoded = [entry for entry in entries if entry["error"] is None]
         skipped = [entry for entry in every if entry["error"] is not None]
@@ -307,12 +352,13 @@ class _Job:
                 f" {elapsed:.2f} s, {included}: {rate:.2f} inputs/s, {patches / elapsed if elapsed else 0:.0f}"
                 " patches/s"
             )
-            where = f"in {plural(workers, 'worker process')}" if workers else "in this process"
-            prepared = where if self.device.type == "cpu" else f"on {self.device}"
-            log(f"time: {timings.summary(where, prepared)}")
+            if where is None:
+                decoded = f"in {plural(workers, 'worker process')}" if workers else "in this process"
+                where = decoded, decoded if self.device.type == "cpu" else f"on {self.device}"
+            log(f"time: {timings.summary(*where)}")
             if skipped:
                 log(f"skipped {plural(len(skipped), 'input')} (listed in the output with the reasons)")
-            log(wrote + (f", {options.parallel}-parallel over {self.world} ranks" if options.parallel else ""))
+            log(wrote + (f", {options.parallel}-parallel over {self.world} ranks" if options.parallel else "") + note)
         if not any(entry["error"] is None for entry in every):
             raise EncodeError(f"no input could be encoded ({plural(len(skipped), 'input')} skipped)")
         return 0

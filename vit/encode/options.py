@@ -9,6 +9,7 @@ import re
 
 __all__ = [
     "DEFAULT_BUDGET",
+    "DEFAULT_RAY_GROUP",
     "DEFAULT_SHARD_BYTES",
     "FORMATS",
     "EMBEDDED_MAX_PIXELS",
@@ -24,6 +25,8 @@ EMBEDDED_MAX_PIXELS = 512 * 512
 # Patches per batch: a 1920x1080 photo at Qwen3-VL's settings is 8,160; larger inputs run alone.
 DEFAULT_BUDGET = 16384
 DEFAULT_SHARD_BYTES = 256 * 2**20
+# Under Ray a shard is one group of this many inputs (--shard-inputs), decided before any is read.
+DEFAULT_RAY_GROUP = 32
 # The shard formats of --format; an output named *.safetensors or *.parquet is one file of that format.
 FORMATS = ("safetensors", "parquet")
 # Files with these suffixes are videos (decoded with PyAV); --video takes a file of any name.
@@ -88,6 +91,12 @@ class EncodeOptions:
         shard_bytes, shard_inputs: a shard is written once it holds this many bytes of features, or inputs.
         resume: continue the run whose shards are in ``output``, skipping the inputs already written.
         progress: draw the progress bar (on a terminal only).
+        ray: run on Ray Data (:mod:`qvl.vit.encode.ray`): a cluster's address (``auto``, ``ray://HOST:10001``), or
+            ``""`` for a Ray started for the run on this machine; None: this process (and its loader workers).
+        ray_cpus: the CPUs of the Ray started for the run (None: every core); not with an address.
+        ray_actors: tower actors (None: one per GPU of the cluster; on a CPU, one).
+        ray_actor_cpus: CPUs each tower actor holds, its torch threads on a CPU (None: 1 with a GPU; on a CPU, half
+            the cluster's CPUs over the actors, at least 1); the rest decode and prepare.
     """
 
     inputs: tuple[str, ...] = ()
@@ -114,6 +123,10 @@ class EncodeOptions:
     shard_inputs: int | None = None
     resume: bool = False
     progress: bool = True
+    ray: str | None = None
+    ray_cpus: int | None = None
+    ray_actors: int | None = None
+    ray_actor_cpus: int | None = None
 
     @property
     def single_file(self) -> bool:
