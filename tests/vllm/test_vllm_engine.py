@@ -77,7 +77,8 @@ def assert_same_tokens(result: dict, expected: dict, what: str) -> None:
     requests = zip(result["tokens"], expected["tokens"], expected["top_two"], strict=True)
     for request, (got, want, top_two) in enumerate(requests):
         assert len(got) == len(want), f"{what}, request {request}"
-        for step, (chosen, wanted, ((_, first), (runner_up, second))) in enumerate(zip(got, want, top_two)):
+        steps = zip(got, want, top_two, strict=True)  # every step has its top two
+        for step, (chosen, wanted, ((_, first), (runner_up, second))) in enumerate(steps):
             if chosen != wanted:
                 gap, apart = first - second, tie(expected["dtype"], first, second)
                 assert chosen == runner_up and gap <= apart, (
