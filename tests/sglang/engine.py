@@ -11,8 +11,10 @@ The caller sets the environment: ``QVL_SGLANG`` / ``SGLANG_PLUGINS`` (the switch
 SGLang runs on its generic CPU platform (every fused op on its pure-torch forward): torch-native attention for the
 text model, torch sampling, no CUDA graphs. One ``generate`` runs three requests: one image, two images of different
 sizes in one prompt, and a 4-frame video (the inputs of tests/vllm/engine.py; the video as an MPEG-4 file).
-Decoding is greedy with a fixed length (EOS ignored). The JSON holds ``tokens`` (per request), ``reports`` (per
-process that imported the plugin: its pid, route counts and state), ``load_s`` and ``generate_s``.
+Decoding is greedy with a fixed length (EOS ignored). The JSON holds ``dtype``, ``tokens`` (per request),
+``top_two`` (per request and step: the two most likely tokens and their log-probabilities, ``[[token, logprob],
+[token, logprob]]``, most likely first: how decisive each greedy step was), ``reports`` (per process that imported the
+plugin: its pid, route counts and state), ``load_s`` and ``generate_s``.
 """
 
 import argparse
@@ -46,6 +48,13 @@ def requests(tokenizer, video_file: str) -> tuple[list[str], list, list]:
     images = [[inputs.image(0)], [inputs.image(1), inputs.image(2)], []]
     videos = [[], [], [video_file]]
     return prompts, images, videos
+
+
+def top_two(step: list) -> list[list]:
+    """A greedy step's two most likely tokens and their log-probabilities (SGLang's ``(logprob, token, text)``
+    entries), most likely first."""
+    ranked = sorted(step, key=lambda entry: entry[0], reverse=True)[:2]
+    return [[token, logprob] for logprob, token, _ in ranked]
 
 
 def write_video(path: str) -> str:
@@ -115,7 +124,14 @@ def main(argv=None) -> int:
         prompts, images, videos = requests(engine.tokenizer_manager.tokenizer, video_file)
         params = {"temperature": 0.0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
         start = time.perf_counter()
-        outputs = engine.generate(prompt=prompts, image_data=images, video_data=videos, sampling_params=params)
+        outputs = engine.generate(
+            prompt=prompts,
+            image_data=images,
+            video_data=videos,
+            sampling_params=params,
+            return_logprob=True,
+            top_logprobs_num=2,
+        )
         generate_s = time.perf_counter() - start
         time.sleep(1.0)  # the scheduler's last route report (sitecustomize.py writes every 0.2 s)
     finally:
@@ -125,7 +141,9 @@ def main(argv=None) -> int:
         with open(path, encoding="utf-8") as f:
             reports.append(json.load(f))
     result = {
+        "dtype": args.dtype,
         "tokens": [out["output_ids"] for out in outputs],
+        "top_two": [[top_two(step) for step in out["meta_info"]["output_top_logprobs"]] for out in outputs],
         "reports": reports,
         "load_s": round(load_s, 2),
         "generate_s": round(generate_s, 2),

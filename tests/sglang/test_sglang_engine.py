@@ -1,5 +1,6 @@
 """qvl inside SGLang's engine on the CPU: a tiny random Qwen3-VL (tests/sglang/sglang_checkpoint.py) serving one
-image, two images in one prompt and a video, in fp32, with greedy tokens identical to SGLang alone; the route counts
+image, two images in one prompt and a video, in fp32, with SGLang alone's greedy tokens (up to a near-tie, where
+two equally right runs may part); the route counts
 reported by SGLang's scheduler processes show where qvl ran. Four engine starts (45-90 s each on 2 cores), the Triton
 kernels through the interpreter: qvl's switch off (SGLang alone, the baseline), qvl on one rank, and qvl on two
 ranks with the tower's weights split and with SGLang's data-parallel encoder."""
@@ -23,6 +24,38 @@ def baseline(checkpoint):
     return run_engine(checkpoint, dtype="float32", env={"QVL_SGLANG": "off", "TRITON_INTERPRET": "1"})
 
 
+def assert_same_tokens(result: dict, expected: dict) -> None:
+    """The same greedy tokens, request by request, but where a request parts at a near-tie: a step at which the run
+    chose the expected run's runner-up, within :func:`tie` of its most likely token. Two runs whose scores each round
+    within the rule of the truth may order such a pair either way (which way, a CPU's BLAS and SIMD width decide);
+    from there on the request follows other tokens and is not compared."""
+    assert result["dtype"] == expected["dtype"]
+    requests = zip(result["tokens"], expected["tokens"], expected["top_two"], strict=True)
+    for request, (got, want, top_two) in enumerate(requests):
+        assert len(got) == len(want), f"request {request}"
+        steps = zip(got, want, top_two, strict=True)  # every step has its top two
+        for step, (chosen, wanted, ((_, first), (runner_up, second))) in enumerate(steps):
+            if chosen != wanted:
+                gap, apart = first - second, tie(expected["dtype"], first, second)
+                assert chosen == runner_up and gap <= apart, (
+                    f"request {request} (image, two images, video), step {step}: token {chosen} where {wanted} led"
+                    f" {runner_up} by {gap:.4g} (a near-tie within {apart:.4g}): {got} != {want}"
+                )
+                break
+
+
+def tie(dtype: str, *scores: float) -> float:
+    """How close two log-probabilities of a run in ``dtype`` may be for another, equally right run to order them
+    otherwise: each run's may be :data:`~tolerance.BASELINE_ULPS` of the dtype's resolution at their scale from the
+    truth (the rule's limit on torch's own result), so the two runs' gaps may differ by four times that. (SGLang
+    returns no raw logits: a log-probability is the logit less the log-sum-exp, both rounded at about its size.)"""
+    import torch
+
+    from tolerance import BASELINE_ULPS, resolution
+
+    return 4 * BASELINE_ULPS * resolution(getattr(torch, dtype)) * max(abs(score) for score in scores)
+
+
 def scheduler_reports(result) -> list[dict]:
     """The reports of the processes where the plugin applied its routes to a model: SGLang's schedulers."""
     return [report for report in result["reports"] if report["state"]["models"]]
@@ -37,7 +70,7 @@ def test_switch_off_leaves_sglang_alone(baseline):
 
 def test_qvl_gives_sglang_tokens(checkpoint, baseline):
     result = run_engine(checkpoint, dtype="float32", env={"TRITON_INTERPRET": "1"})
-    assert result["tokens"] == baseline["tokens"]
+    assert_same_tokens(result, baseline)
     [scheduler] = scheduler_reports(result)
     [model] = scheduler["state"]["models"]
     assert model == {
@@ -58,10 +91,10 @@ def test_qvl_gives_sglang_tokens(checkpoint, baseline):
 def test_qvl_on_two_ranks(checkpoint, baseline, dp_encoder):
     """Two tensor-parallel ranks: the tower's weights split over them (qvl's runner with SGLang's sharded linears and
     an all-reduce), or replicated with SGLang's data-parallel encoder (qvl's balancer splits the batch). Tokens are
-    compared with the one-rank baseline: fp32 and decisive random weights leave the text model's split rounding
-    far from any greedy tie."""
+    compared with the one-rank baseline: the text model's split sums round otherwise, which may part the runs only at
+    a greedy near-tie (:func:`assert_same_tokens`)."""
     result = run_engine(checkpoint, dtype="float32", env={"TRITON_INTERPRET": "1"}, tp=2, dp_encoder=dp_encoder)
-    assert result["tokens"] == baseline["tokens"]
+    assert_same_tokens(result, baseline)
     schedulers = scheduler_reports(result)
     assert len(schedulers) == 2, result["reports"]
     for scheduler in schedulers:
