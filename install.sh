@@ -110,7 +110,12 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install --quiet "${cpu_torch[@]}" "torch==2.13.0"
   fi
 fi
-PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet -e ".[${extras}]"
+# The extras must not replace that torch: a dependency of theirs that pins one (timm's torchvision, whose newest
+# release wants the next torch) gets the release made for the installed torch instead.
+constraint="$(mktemp)"
+"$py" -c "import torch; print(f'torch=={torch.__version__}')" > "$constraint"
+PYTHONWARNINGS="$editable_quiet" "$py" -m pip install --quiet --constraint "$constraint" -e ".[${extras}]"
+rm -f "$constraint"
 # The test set-up also takes torchvision (transformers' torchvision-backed image and video processors, which the
 # preparation parity tests compare with): the release made for the installed torch (0.28 for torch 2.13), without
 # its dependencies, so that it never replaces the torch above.

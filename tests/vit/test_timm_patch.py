@@ -296,6 +296,45 @@ def test_compiled_across_image_sizes_without_recompile():
     assert_error_within(got, truths, expected, what="compiled logits", stages=model_stages(model))
 
 
+def test_compiled_amp_training_with_checkpointing_across_image_sizes():
+    """A compiled AMP training step with timm's gradient checkpointing, the images' height and width marked dynamic
+    (``torch._dynamo.mark_dynamic``; under ``dynamic=True`` torch 2.13's Dynamo cannot lift the blocks' float
+    attributes into a checkpointed block, for transformers' patched towers too): one graph, with no graph break, for
+    two image sizes (the second under ``fail_on_recompile``), the loss and every gradient within the rule of timm's
+    eager step. Dynamo and AOTAutograd without Inductor (``backend="aot_eager"``): the graph, not its C++ code, is the
+    question here."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3_vit_88m_merge", seed=23).train()
+    model.set_grad_checkpointing(True)
+    reference, reference64 = copy.deepcopy(model), float64_model(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(patch_model(model), backend="aot_eager")
+    labels = torch.tensor([1, 3])
+
+    def step(model, x, autocast=True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(x).to(x.dtype), labels)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    for index, shape in enumerate([IMAGES, (2, 3, 64, 128)]):
+        x = images(shape, seed=24 + index)
+        truth = step(reference64, x.double(), autocast=False)
+        expected = step(reference, x)
+        torch._dynamo.mark_dynamic(x, (2, 3))
+        with torch.compiler.set_stance("fail_on_recompile" if index else "default"):
+            got = step(compiled, x)
+        stages = model_stages(model, backward=True)
+        names = ["loss", *(f"{name}.grad" for name, _ in model.named_parameters())]
+        for what, actual, truth64, baseline in zip(names, got, truth, expected, strict=True):
+            actual, baseline = as_computed([actual, baseline])
+            assert_error_within(actual, truth64, baseline, what=f"{shape}: {what}", stages=stages)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
 def test_unpatch_restores_timm():
     """unpatch_model puts back every method and module forward the patch replaced: timm's own forward runs again,
     bit for bit; patching twice is harmless; print(model) shows the patch while it is there."""
