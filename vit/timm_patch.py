@@ -22,12 +22,16 @@ exact; where it happens:
   runs in merge-block order and permutes the intermediates it returns into raster order.
 
 What stays timm's: the classifier's pooling, norm and head (``forward_head``), the ``avg`` pooling of an encoder,
-the argument handling of ``forward_intermediates`` (``feature_take_indices``). ``set_grad_checkpointing`` runs each
-block through timm's ``checkpoint``. Calls qvl cannot serve run timm's own forward with an
-:class:`~qvl.vit.patching.UnfusedFallbackWarning` (weights not on one device, dropout or drop path active in
-training, hooks qvl's fused forward would not call as timm does); configurations qvl cannot run at all (another
-block, norm, activation or rotary setting than the released models') raise ValueError at :func:`patch_model`.
-Under ``torch.autocast`` the runner follows autocast as the ops declare it, as for transformers' models.
+the argument handling of ``forward_intermediates`` (``feature_take_indices``; with ``stop_early`` the result is
+timm's, the last taken block's output, through the projector where timm applies it, though qvl runs every block).
+``set_grad_checkpointing`` runs each block through timm's ``checkpoint``. A batch's metadata (segments, rotary
+positions, the table's interpolation plan) comes from torch ops on the sizes
+(:func:`~qvl.vit.metadata.equal_images_inputs`): a compiled caller traces it into its graph; eager calls keep it per
+image size. Calls qvl cannot serve run timm's own forward with an :class:`~qvl.vit.patching.UnfusedFallbackWarning`
+(weights not on one device, dropout or drop path active in training, hooks qvl's fused forward would not call as
+timm does); configurations qvl cannot run at all (another block, norm, activation or rotary setting than the released
+models') raise ValueError at :func:`patch_model`. Under ``torch.autocast`` the runner follows autocast as the ops
+declare it, as for transformers' models.
 """
 
 from __future__ import annotations
