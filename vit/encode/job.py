@@ -131,6 +131,19 @@ def _guarded(options: EncodeOptions, device: torch.device, log: Log) -> int:
         ) from None
 
 
+def constants(options: EncodeOptions, dtype: torch.dtype, backend: str, config, processing) -> dict[str, str]:
+    """The run's constants written into every shard (:data:`~qvl.vit.encode.writer.RUN_FIELDS`), which a resumed
+    run must match."""
+    return {
+        "format": "qvl-encode/1",
+        "model": options.model or "embedded-random",
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
+        "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
+        "processing": json.dumps(dataclasses.asdict(processing)),
+    }
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -205,14 +218,7 @@ class _Job:
         if options.ray is None:
             tower = load_tower(model, dtype, device, "weights" if options.parallel == "weights" else None, kind)
             config = tower.config
-        run_constants = {
-            "format": "qvl-encode/1",
-            "model": options.model or "embedded-random",
-            "dtype": str(dtype).removeprefix("torch."),
-            "backend": backend,
-            "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
-            "processing": json.dumps(dataclasses.asdict(processing)),
-        }
+        run_constants = constants(options, dtype, backend, config, processing)
         earlier = _from_rank0(lambda: self._resumed(folder, inputs, run_constants), self.rank, self.world)
         done = {entry["input"] for entry in earlier}
         remaining = [item for item in inputs if item.number not in done]

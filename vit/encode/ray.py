@@ -23,8 +23,8 @@ bits and written again under the same name, so every input is written exactly on
 built from the shard files at the end, and ``--resume`` reads the shards as it does for a single-process run, so a
 rerun encodes only the inputs no shard holds.
 
-For a Ray user: :func:`settings` (an :class:`~qvl.vit.encode.options.EncodeOptions` -> the stages' settings, the
-checkpoint and inputs checked), :func:`read_inputs`, and :func:`prepare_stage`, :func:`tower_stage`,
+For a Ray user: :func:`settings_for` (an :class:`~qvl.vit.encode.options.EncodeOptions` -> the stages' settings),
+:func:`read_inputs`, and :func:`prepare_stage`, :func:`tower_stage`,
 :func:`write_stage` (each one ``map_batches`` call, with :func:`prepare`, :class:`Tower` and :func:`write`), in
 between which a pipeline may add its own. Ray comes with the ``data`` extra (``pip install 'qvl[data]'``).
 """
@@ -59,6 +59,7 @@ __all__ = [
     "prepare_stage",
     "read_inputs",
     "settings",
+    "settings_for",
     "tower_stage",
     "write",
     "write_stage",
@@ -165,6 +166,25 @@ def settings(
         group=options.shard_inputs or DEFAULT_RAY_GROUP,
         cwd=os.getcwd(),
     )
+
+
+def settings_for(options: EncodeOptions, folder: Path | str, device: str = "cpu") -> RaySettings:
+    """The stages' settings of a run of ``options`` (its model, preparation overrides, dtype, budget, format, group
+    size) on ``device`` (``"cpu"`` or ``"cuda"``) writing into ``folder``, for a Ray user composing the stages: the
+    checkpoint's config and preparation read (a Hub id fetched), the run's constants as ``qvl encode`` writes them
+    (so that ``qvl encode --resume`` continues such a folder). The folder is not checked nor created here."""
+    from qvl.kernels import backend_for
+
+    from .job import constants
+    from .tower import default_dtype, model_kind, resolve_checkpoint, with_options
+
+    model = None if options.model is None else resolve_checkpoint(options.model, _quiet)
+    _, config, _, processing = model_kind(model)
+    processing = with_options(processing, options)
+    dtype = options.dtype or (default_dtype(torch.device(device)) if device == "cpu" else "bfloat16")
+    backend = backend_for(torch.device(device))
+    run = constants(options, _torch_dtype(dtype), backend, config, processing)
+    return settings(options, Path(folder), run, processing, config, dtype, device)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -383,11 +403,13 @@ def encode(
     groups: decoding, preparation, tower, writing). Each skipped input is logged as the single process logs it."""
     from .progress import Timings
 
+    timings, entries = Timings(), []
+    if not share:  # a resumed run with nothing left
+        return entries, timings
     dataset = read_inputs(share, stage_settings.group)
     dataset = prepare_stage(dataset, stage_settings)
     dataset = tower_stage(dataset, stage_settings, actors=actors, num_cpus=actor_cpus)
     dataset = write_stage(dataset, stage_settings)
-    timings, entries = Timings(), []
     for row in _rows(dataset):
         written = json.loads(row["entries"])
         decode_s, prepare_s, tower_s, write_s = (float(value) for value in row["seconds"])

@@ -224,22 +224,21 @@ def test_resume_under_ray_encodes_only_the_lost_shards_inputs(
     assert f"{25 - lost_inputs} of 25 inputs already written" in log and f"qvl: encoded {lost_inputs} images" in log
     assert lost.exists()
     assert_same_run(output, single_process)
+    assert encode(*argv, "--resume") == 0  # nothing left: no group runs
+    log = capsys.readouterr().err
+    assert "25 of 25 inputs already written" in log and "qvl: encoded 0 images" in log
 
 
 def test_the_stages_compose_as_a_ray_user_composes_them(local_ray, checkpoint, data_set, tmp_path):
-    """read_inputs -> prepare_stage -> a filter of the user's -> tower_stage -> write_stage: the shards the groups
-    name, with every input's entry."""
+    """settings_for -> read_inputs -> prepare_stage -> a filter of the user's -> tower_stage -> write_stage: the
+    shards the groups name, with every input's entry, which qvl encode --resume takes as a whole run."""
     from qvl.vit.encode.options import EncodeOptions
-    from qvl.vit.encode.tower import model_kind, with_options
 
     options = EncodeOptions(model=str(checkpoint), min_pixels=1024, max_pixels=200_000, shard_inputs=4)
-    _, config, _, processing = model_kind(checkpoint)
-    processing = with_options(processing, options)
-    run = {"format": "qvl-encode/1", "model": str(checkpoint), "dtype": "float32", "backend": "torch",
-           "deepstack_visual_indexes": "[0]", "processing": "{}"}  # fmt: skip
     output = tmp_path / "out"
     output.mkdir()
-    settings = qray.settings(options, output, run, processing, config, "float32", "cpu")
+    settings = qray.settings_for(options, output)
+    assert settings.dtype == "float32" and settings.backend == "interpreter"  # this suite's CPU path
     items = discover([str(path) for path in data_set["files"]])
     dataset = qray.prepare_stage(qray.read_inputs(items, settings.group), settings)
     dataset = dataset.filter(lambda row: True)
@@ -249,3 +248,6 @@ def test_the_stages_compose_as_a_ray_user_composes_them(local_ray, checkpoint, d
     assert sorted(path.name for path in output.iterdir()) == sorted(
         f"{qray.group_name(list(range(start, start + 4)))}.safetensors" for start in (0, 4)
     )
+    resumed = [*data_set["files"], "--model", checkpoint, "--min-pixels", 1024, "--max-pixels", 200_000]
+    assert encode(*resumed, "--device", "cpu", "--resume", "-o", output, backend="interpreter") == 0
+    assert len((output / "index.jsonl").read_text().splitlines()) == 8
