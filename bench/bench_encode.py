@@ -5,6 +5,8 @@
                                  [--steady-state 16 48 [--encode-workers 1]] [--json PATH]
     python -m bench.bench_encode --device cuda [--dtype bfloat16] [--photos 16] [--photo-size WxH] [--rounds 2]
                                  [--json PATH]
+    python -m bench.bench_encode --ray 16 64 [--ray-cpus N ...] [--device cpu|cuda] [--photo-size WxH]
+                                 [--towers tiny] [--rounds 2] [--json PATH]
 
 **Preparation** (:func:`preparation_rows`): one photo (decoded pixels in, pixel values out; no decoding, no tower) at
 1920x1080 and 4000x3000, with the Qwen3-VL checkpoints' processor settings (a 1920x1080 photo keeps its size: 68x120
@@ -49,6 +51,15 @@ its workers, preparation on the device) with a random-weight tower of Qwen3-VL 8
 alone on the same inputs, prepared beforehand and packed into the same batches: whether preparation hides behind
 the tower (the goal: ``qvl encode``'s own count at most 1.2x the tower alone's time), and images/s of each. Its
 ``--json`` is a report ``bench.goals`` reads.
+
+**On Ray** (``--ray FEW MANY``, :func:`ray_rows`): FEW, then MANY photos through ``qvl encode`` in one process (its
+default ``--workers``) and through ``qvl encode --ray --ray-cpus N`` (a local Ray of N CPUs started by the process:
+decoding and preparation in Ray tasks, one tower actor), for each ``--ray-cpus`` N (default: every core), each a
+process timed from start to exit, on ``--device`` (cpu by default; on a GPU the actor holds it and N - 1 CPUs
+decode). As for the steady state, the time per photo is ``(MANY's time - FEW's) / (MANY - FEW)``; the rows also give
+what Ray adds per photo over the single process and the time a run pays once (``FEW's time - FEW x the time per
+photo``: process and Ray start, actor start and checkpoint load). Where Ray is not installed the rows are skipped
+with one line (``pip install 'qvl[data]'``).
 """
 
 from __future__ import annotations
@@ -263,14 +274,16 @@ def _photo_folder(root: Path, photos: int, size: tuple[int, int]) -> tuple[Path,
     return folder, paths
 
 
-def _qvl_encode(folder: Path, model: Path, outputs: Iterator[Path], *options: str) -> tuple[float, dict]:
+def _qvl_encode(
+    folder: Path, model: Path, outputs: Iterator[Path], *options: str, env: dict | None = None
+) -> tuple[float, dict]:
     """``python -m qvl.vit encode folder --model model`` into the next of ``outputs`` with ``options``, timed from
     process start to exit: its seconds, and its own count of the encoding (``encoding_s``), where that time went
     (``split``) and its first input's merged features."""
     output = next(outputs)
     command = [sys.executable, "-m", "qvl.vit", "encode", str(folder), "--model", str(model), *options]
     # The interpreter is for tests: a run that inherited it would time Triton's CPU emulation.
-    environment = {**os.environ, "TRITON_INTERPRET": "0"}
+    environment = {**os.environ, "TRITON_INTERPRET": "0", **(env or {})}
     start = time.perf_counter()
     result = subprocess.run([*command, "-o", str(output)], env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -424,6 +437,79 @@ def steady_state_rows(
                     row["split"] = best[name, many][1]["split"]
                 rows.append(row)
         return rows
+
+
+# The --ray rows' photo counts.
+RAY_PHOTOS = (16, 64)
+
+
+def ray_rows(
+    photos: tuple[int, int] = RAY_PHOTOS,
+    size: tuple[int, int] = (1080, 1920),
+    towers: Sequence[str] = ("tiny",),
+    rounds: int = 2,
+    ray_cpus: Sequence[int | None] = (None,),
+    device: str = "cpu",
+    root: Path | None = None,
+) -> list[dict]:
+    """``qvl encode`` in one process against ``qvl encode --ray`` (a local Ray of each of ``ray_cpus`` CPUs; None:
+    every core) on ``device``, FEW and MANY photos (``photos``) of ``size`` each, every run a process timed from start
+    to exit, taking turns for ``rounds`` rounds (best kept), per tower shape of ``towers``. Rows of ``tower``,
+    ``implementation``, ``photos``, ``few_s``, ``many_s``, ``seconds_per_photo``, ``images_per_s``, ``once_s`` (what
+    a run pays once: ``few_s - FEW x seconds_per_photo``), ``overhead_ms`` (its time per photo over the single
+    process's, in ms), ``encoding_s`` (the MANY run's own count) and ``split``. On a CPU a second single-process row
+    runs the tower on the threads of the Ray rows' tower actor (``OMP_NUM_THREADS``: half the cores, as
+    ``--ray-actor-cpus`` defaults; with the cores that leaves, it decodes in a worker), so that Ray's own cost
+    shows apart from the thread count's (on a loaded machine two threads can be slower than one)."""
+    few, many = photos
+    device_options = ("--device", device)
+    with contextlib.ExitStack() as stack:
+        root = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-encode-ray-")))
+        folders = {count: _photo_folder(root / f"{count}-photos", count, size) for count in photos}
+        variants, environments = {"qvl encode": device_options}, {}
+        if device == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = max(1, cores // 2)
+            variants[f"qvl encode OMP_NUM_THREADS={threads}"] = device_options
+            environments[f"qvl encode OMP_NUM_THREADS={threads}"] = {"OMP_NUM_THREADS": str(threads)}
+        for cpus in ray_cpus:
+            name = "qvl encode --ray" + ("" if cpus is None else f" --ray-cpus {cpus}")
+            variants[name] = (*device_options, "--ray", *(() if cpus is None else ("--ray-cpus", str(cpus))))
+        rows = []
+        for tower in towers:
+            _checkpoint(root / tower, tower)
+            outputs = (root / f"{tower}-ray-{run}" for run in itertools.count())
+            runs = {(name, count): functools.partial(_qvl_encode, folder, root / tower, outputs, *options,
+                                                     env=environments.get(name))
+                    for count, (folder, _) in folders.items() for name, options in variants.items()}  # fmt: skip
+            best = _best_of(runs, rounds)
+            per_photo = {name: (best[name, many][0] - best[name, few][0]) / (many - few) for name in variants}
+            for name in variants:
+                row = dict(tower=tower, implementation=name, device=device, photos=[few, many])
+                row |= dict(few_s=best[name, few][0], many_s=best[name, many][0], seconds_per_photo=per_photo[name])
+                row |= dict(images_per_s=1 / per_photo[name], once_s=best[name, few][0] - few * per_photo[name])
+                row |= dict(overhead_ms=(per_photo[name] - per_photo["qvl encode"]) * 1e3)
+                row |= dict(encoding_s=best[name, many][1]["encoding_s"], split=best[name, many][1]["split"])
+                rows.append(row)
+        return rows
+
+
+def format_ray_rows(rows: Sequence[dict]) -> str:
+    few, many = rows[0]["photos"]
+    lines = [
+        f"{'tower':<6} {'implementation':<32} {f'{few} photos':>10} {f'{many} photos':>10} {'s/photo':>8}"
+        f" {'images/s':>9} {'once s':>7} {'+ms/photo':>10}"
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['tower']:<6} {row['implementation']:<32} {row['few_s']:>10.2f} {row['many_s']:>10.2f}"
+            f" {row['seconds_per_photo']:>8.3f} {row['images_per_s']:>9.2f} {row['once_s']:>7.2f}"
+            f" {row['overhead_ms']:>10.1f}"
+        )
+    for row in rows:
+        lines.append(f"{row['tower']}: {row['implementation']}, {many} photos: own count {row['encoding_s']:.2f} s,"
+                     f" {row['split']}")  # fmt: skip
+    return "\n".join(lines)
 
 
 # The device rows' tower: Qwen3-VL 8B's (bench_tower.TOWERS), the GPU time preparation has to hide behind.
@@ -597,6 +683,30 @@ def run_facts() -> dict:
     )
 
 
+def _main_ray(args, parser) -> int:
+    """The --ray rows alone: printed, and with --json written with the run's facts (Ray's version among them)."""
+    try:
+        import ray
+    except ImportError:
+        print("bench_encode --ray: Ray is not installed here: the Ray rows are skipped (pip install 'qvl[data]')")
+        return 0
+    device = args.device or "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch sees no CUDA device here")
+    cpus = args.ray_cpus or [None]
+    before = os.getloadavg()
+    print(f"load average before: {' '.join(f'{load:.2f}' for load in before)}")
+    rows = ray_rows(tuple(args.ray), args.photo_size, args.towers, args.rounds, cpus, device)
+    after = os.getloadavg()
+    print(format_ray_rows(rows))
+    print(f"load average after: {' '.join(f'{load:.2f}' for load in after)}")
+    if args.json:
+        facts = run_facts() | dict(ray=ray.__version__, load_average_before=before, load_average_after=after)
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(dict(facts=facts, ray=rows), file, indent=1)
+    return 0
+
+
 def _size(text: str) -> tuple[int, int]:
     width, height = (int(n) for n in text.split("x"))
     return height, width
@@ -633,6 +743,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--encode-workers", nargs="+", type=int, default=[], metavar="N",
         help="the steady-state rows also time qvl encode --workers N, each N (default: its default --workers only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ray", nargs=2, type=int, metavar=("FEW", "MANY"),
+        help="only qvl encode in one process against qvl encode --ray, FEW and MANY photos, the time per photo and"
+        f" what Ray adds (e.g. {RAY_PHOTOS[0]} {RAY_PHOTOS[1]}; on --device, cpu by default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray-cpus", nargs="+", type=int, default=[], metavar="N",
+        help="the --ray rows' local Ray CPUs, each N a row (default: every core)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the rows and the run's facts as JSON")
     parser.add_argument(
         "--device", help="a GPU (cuda, cuda:1): qvl encode on it against its tower alone, Qwen3-VL 8B's shape, instead"
@@ -646,6 +765,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--steady-state FEW MANY: 0 < FEW < MANY")
     if args.encode_workers and args.steady_state is None:
         parser.error("--encode-workers: only the steady-state rows take it (--steady-state FEW MANY)")
+    if args.ray is not None and not 0 < args.ray[0] < args.ray[1]:
+        parser.error("--ray FEW MANY: 0 < FEW < MANY")
+    if args.ray_cpus and args.ray is None:
+        parser.error("--ray-cpus: only the Ray rows take it (--ray FEW MANY)")
+    if args.ray is not None:
+        return _main_ray(args, parser)
     if args.steady_state is not None and args.device is not None:
         parser.error("--steady-state: the CPU rows' measurement, not --device's")
     if args.device is not None:

@@ -36,7 +36,9 @@
 #   bandwidth kernels and mergers, their launch-configuration sweep (bench/tune_rows.py: reports, writes nothing;
 #   tune_rows.log, tune_rows.json), rotary, the position table; qvl encode against its tower alone where time is
 #   left (bench_encode --device; encode.json), and there too timm's qwen3_vit_88m in a bf16 training step, timm
-#   against patch_model, both eager (bench_timm; timm.json). No attention tile sweep, no memcheck.
+#   against patch_model, both eager (bench_timm; timm.json), and qvl encode --ray against one process on the GPU
+#   with 4 and 15 decoding CPUs beside its tower actor, where Ray is installed (bench_encode --ray; encode_ray.json).
+#   No attention tile sweep, no memcheck.
 # --full: the default's phases with the benchmarks' long cases and the compiled towers (longer than a lease holds).
 # Everything goes to bench/results/run-<date>-<UTC hhmm>/, each step's start and limit (seconds into the call) to
 # phases.txt there. Under the device tool ($OUT set: at most 8 files come back) that folder is also packed into
@@ -258,6 +260,16 @@ encode_device() {
     | tee -a "$out/bench.log" | tail -8
 }
 
+# qvl encode --ray on the device against one process (8, then 24 photos of 1920x1080, the demo tower): one tower
+# actor on the GPU, a local Ray of 4 and of 15 CPUs (3 and 14 decoding beside it): whether Ray's decoding tasks keep
+# the GPU fed, and what Ray adds a photo. Ray is not carried (too large for the tool): a machine without it prints one
+# line and the step ends.                                                                  encode_ray.json, bench.log
+encode_ray() {
+  phase "qvl encode --ray on the device" "$1"
+  timeout -k 5 "$1" python3 -m bench.bench_encode --device cuda --ray 8 24 --ray-cpus 4 15 --towers demo \
+    --rounds 1 --json "$out/encode_ray.json" 2>&1 | tee -a "$out/bench.log" | tail -10
+}
+
 # timm's qwen3_vit_88m in a bf16 AMP training step (32 images of 224 x 224), timm eager against patch_model eager
 # (the compiled rows left out: compiling takes minutes), where timm imports: a machine without it gets the copy the
 # device tool carried in the checkout's .venv (carry .venv/lib/python3.X/site-packages/timm; timm's own dependencies,
@@ -302,7 +314,7 @@ goals() {
 case "$mode" in
   --tower) plan+=(
     "tower_tests 75 35" "bench_module 40 20 host" "tower_eager 120 50" "bench_module 50 20 merger"
-    "encode_device 60 0" "timm_device 45 0" "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
+    "encode_device 60 0" "timm_device 45 0" "encode_ray 75 0" "rows_sweep 75 35" "bench_module 20 10 rotary" "bench_module 20 10 pos_embed" ) ;;
   --attention) plan+=(
     "tile_sweep 55 25" "kernel_tests 90 40" "attention_no_flex 90 40 attention"
     "attention_no_flex 60 25 attention_backward" "attention_no_flex 30 15 window" ) ;;

@@ -93,3 +93,26 @@ def test_device_rows_time_qvl_encode_against_its_tower_alone(tmp_path):
     assert harness.agrees(encode["max_rel_err"], torch.float32)
     text = bench_encode.format_device_rows(rows, "cpu")
     assert f"cpu: qvl encode takes {encode['vs_tower_alone']:.2f}x the tower alone's time" in text
+
+
+@pytest.mark.parametrize("argv", [["--ray", "4", "2"], ["--ray-cpus", "2"]])
+def test_ray_arguments_are_checked_before_anything_runs(argv, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench_encode.main(argv)
+    assert exit.value.code == 2 and "--ray" in capsys.readouterr().err
+
+
+def test_ray_rows_print_the_time_per_photo_and_what_ray_adds():
+    """The --ray rows' table: each run's FEW and MANY times, the time per photo, what a run pays once and the
+    milliseconds Ray adds a photo, then each MANY run's own count and split."""
+    rows = [
+        dict(tower="tiny", implementation=name, device="cpu", photos=[16, 64], few_s=few, many_s=many,
+             seconds_per_photo=(many - few) / 48, images_per_s=48 / (many - few), once_s=few - 16 * (many - few) / 48,
+             overhead_ms=overhead, encoding_s=many - 1, split="time: decoding 1.00 s (in Ray tasks)")
+        for name, few, many, overhead in (("qvl encode", 5.0, 9.8, 0.0), ("qvl encode --ray", 12.0, 19.2, 50.0))
+    ]  # fmt: skip
+    table = bench_encode.format_ray_rows(rows).splitlines()
+    assert table[0].split() == ["tower", "implementation", "16", "photos", "64", "photos", "s/photo", "images/s",
+                                "once", "s", "+ms/photo"]  # fmt: skip
+    assert table[2].split()[-6:] == ["12.00", "19.20", "0.150", "6.67", "9.60", "50.0"]
+    assert table[4] == "tiny: qvl encode --ray, 64 photos: own count 18.20 s, time: decoding 1.00 s (in Ray tasks)"

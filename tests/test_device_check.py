@@ -110,6 +110,8 @@ def test_every_step_runs_in_the_layout_the_first_check_chose(tmp_path, mode, ver
         assert not any("tune_attention" in step or step.startswith("compute-sanitizer") for step in steps)
         assert any(step.startswith("-m bench.tune_rows") for step in steps)
         assert f"-m bench.bench_encode --device cuda --rounds 2 --json bench/results/{run.name}/encode.json" in steps
+        ray_step = "-m bench.bench_encode --device cuda --ray 8 24 --ray-cpus 4 15 --towers demo --rounds 1 --json"
+        assert f"{ray_step} bench/results/{run.name}/encode_ray.json" in steps
     else:
         assert steps[0].startswith("-m bench.tune_attention")
         assert any(step.startswith("compute-sanitizer") for step in steps)
