@@ -251,3 +251,38 @@ def test_the_stages_compose_as_a_ray_user_composes_them(local_ray, checkpoint, d
     resumed = [*data_set["files"], "--model", checkpoint, "--min-pixels", 1024, "--max-pixels", 200_000]
     assert encode(*resumed, "--device", "cpu", "--resume", "-o", output, backend="interpreter") == 0
     assert len((output / "index.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize(
+    "argv, images, address",
+    [
+        (["--ray", "photos/", "more.png"], ["photos/", "more.png"], ""),
+        (["photos/", "--ray"], ["photos/"], ""),
+        (["photos/", "--ray", "local"], ["photos/"], ""),
+        (["photos/", "--ray", "auto"], ["photos/"], "auto"),
+        (["photos/", "--ray=ray://head:10001"], ["photos/"], "ray://head:10001"),
+        (["photos/", "--ray", "10.0.0.1:6379", "--ray-actors", "2"], ["photos/"], "10.0.0.1:6379"),
+    ],
+)
+def test_ray_takes_an_address_only_where_one_is_given(argv, images, address):
+    """--ray's value is an address (auto, local, HOST:PORT, ray://...); anything else after it is the first input."""
+    from qvl.vit import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["encode", *argv])
+    args.check(args)
+    assert args.images == images and args.ray == address
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["x.png", "--ray-actors", "2"], "--ray-actors: only with --ray"),
+        (["x.png", "--ray", "auto", "--ray-cpus", "2"], "--ray-cpus: sets the CPUs of a Ray started here"),
+    ],
+)
+def test_ray_options_are_checked_before_anything_runs(argv, message, capsys):
+    from qvl.vit import cli
+
+    assert cli.main(["encode", *argv]) == 2
+    assert message in capsys.readouterr().err
