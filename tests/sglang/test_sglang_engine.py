@@ -6,6 +6,7 @@ kernels through the interpreter: qvl's switch off (SGLang alone, the baseline), 
 ranks with the tower's weights split and with SGLang's data-parallel encoder."""
 
 import pytest
+from tokens import assert_same_tokens
 
 from engine import run_engine
 from sglang_checkpoint import make_qwen3_vl
@@ -22,38 +23,6 @@ def checkpoint(tmp_path_factory):
 def baseline(checkpoint):
     """SGLang alone: qvl's plugin loads (installed) but its switch is off."""
     return run_engine(checkpoint, dtype="float32", env={"QVL_SGLANG": "off", "TRITON_INTERPRET": "1"})
-
-
-def assert_same_tokens(result: dict, expected: dict) -> None:
-    """The same greedy tokens, request by request, but where a request parts at a near-tie: a step at which the run
-    chose the expected run's runner-up, within :func:`tie` of its most likely token. Two runs whose scores each round
-    within the rule of the truth may order such a pair either way (which way, a CPU's BLAS and SIMD width decide);
-    from there on the request follows other tokens and is not compared."""
-    assert result["dtype"] == expected["dtype"]
-    requests = zip(result["tokens"], expected["tokens"], expected["top_two"], strict=True)
-    for request, (got, want, top_two) in enumerate(requests):
-        assert len(got) == len(want), f"request {request}"
-        steps = zip(got, want, top_two, strict=True)  # every step has its top two
-        for step, (chosen, wanted, ((_, first), (runner_up, second))) in enumerate(steps):
-            if chosen != wanted:
-                gap, apart = first - second, tie(expected["dtype"], first, second)
-                assert chosen == runner_up and gap <= apart, (
-                    f"request {request} (image, two images, video), step {step}: token {chosen} where {wanted} led"
-                    f" {runner_up} by {gap:.4g} (a near-tie within {apart:.4g}): {got} != {want}"
-                )
-                break
-
-
-def tie(dtype: str, *scores: float) -> float:
-    """How close two log-probabilities of a run in ``dtype`` may be for another, equally right run to order them
-    otherwise: each run's may be :data:`~tolerance.BASELINE_ULPS` of the dtype's resolution at their scale from the
-    truth (the rule's limit on torch's own result), so the two runs' gaps may differ by four times that. (SGLang
-    returns no raw logits: a log-probability is the logit less the log-sum-exp, both rounded at about its size.)"""
-    import torch
-
-    from tolerance import BASELINE_ULPS, resolution
-
-    return 4 * BASELINE_ULPS * resolution(getattr(torch, dtype)) * max(abs(score) for score in scores)
 
 
 def scheduler_reports(result) -> list[dict]:

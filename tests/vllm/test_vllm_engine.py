@@ -21,6 +21,7 @@ compare with the fp32 Qwen3-VL baseline in one group, the others in a second, wh
 import functools
 
 import pytest
+from tokens import assert_same_tokens
 
 from engine import run_engine
 
@@ -66,37 +67,6 @@ def counts(result: dict) -> list[dict]:
     infos = [worker["qvl"] for worker in result["worker_info"]]
     assert all(info is not None for info in infos), f"qvl's plugin did not load in every worker: {infos}"
     return [info["counts"] for info in infos]
-
-
-def assert_same_tokens(result: dict, expected: dict, what: str) -> None:
-    """The same greedy tokens, request by request, but where a request parts at a near-tie: a step at which the run
-    chose the expected run's runner-up, whose logit the expected run put within :func:`tie` of its top one. Two runs
-    whose logits each round within the rule of the truth may order such a pair either way (which way, a CPU's BLAS and
-    SIMD width decide); from there on the request follows other tokens and is not compared."""
-    assert result["dtype"] == expected["dtype"], what
-    requests = zip(result["tokens"], expected["tokens"], expected["top_two"], strict=True)
-    for request, (got, want, top_two) in enumerate(requests):
-        assert len(got) == len(want), f"{what}, request {request}"
-        steps = zip(got, want, top_two, strict=True)  # every step has its top two
-        for step, (chosen, wanted, ((_, first), (runner_up, second))) in enumerate(steps):
-            if chosen != wanted:
-                gap, apart = first - second, tie(expected["dtype"], first, second)
-                assert chosen == runner_up and gap <= apart, (
-                    f"{what}, request {request} (image, two images, video), step {step}: token {chosen} where"
-                    f" {wanted} led {runner_up} by {gap:.4g} (a near-tie within {apart:.4g}): {got} != {want}"
-                )
-                break
-
-
-def tie(dtype: str, *logits: float) -> float:
-    """How close two logits of a run in ``dtype`` may be for another, equally right run to order them otherwise: each
-    run's logits may be :data:`~tolerance.BASELINE_ULPS` of the dtype's resolution at their scale from the truth (the
-    rule's limit on torch's own result), so the two runs' gaps between them may differ by four times that."""
-    import torch
-
-    from tolerance import BASELINE_ULPS, resolution
-
-    return 4 * BASELINE_ULPS * resolution(getattr(torch, dtype)) * max(abs(logit) for logit in logits)
 
 
 SHARES_FP32_BASELINE = pytest.mark.xdist_group("vllm-engine-qwen3-fp32")
