@@ -34,7 +34,6 @@ no C++ compile): the test suite's smoke run of these code paths, whose numbers m
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib.util
 import time
@@ -287,12 +286,7 @@ def main(argv: Sequence[str] | None = None) -> CpuTowerReport:
     args = parser.parse_args(argv)
     dtypes = [harness.DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
     report = benchmark(dtypes, args.quick)
-    # A smoke run's numbers mean nothing: it leaves no file in the checkout unless asked for one.
-    if args.json or not args.quick:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = report.save(args.json or harness.RESULTS_DIR / f"cpu-{harness.cpu_name()}-{stamp}.json")
-        print(f"results: {path}")
-    print(report.summary(), flush=True)
+    report.finish(args.json, args.quick, f"cpu-{harness.cpu_name()}")
     return report
 
 

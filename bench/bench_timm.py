@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import statistics
 import time
@@ -199,11 +198,7 @@ def main(argv: Sequence[str] | None = None) -> harness.Report | None:
         print("bench_timm: --device cuda, but there is no CUDA device", flush=True)
         raise SystemExit(2)
     report = benchmark(args)
-    if args.json or not args.quick:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = report.save(args.json or harness.RESULTS_DIR / f"timm-{report.device.slug}-{stamp}.json")
-        print(f"results: {path}")
-    print(report.summary(), flush=True)
+    report.finish(args.json, args.quick, f"timm-{report.device.slug}")
     return report
 
 

@@ -621,13 +621,23 @@ class Report:
             }
         )
 
-    def save(self, path: Path | None = None) -> Path:
+    def save(self, path: Path | None = None, name: str | None = None) -> Path:
+        """Write the report to ``path``, else to ``results/<name>-<time>.json`` (``name`` defaulting to the bench's
+        and the device's)."""
         if path is None:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            path = RESULTS_DIR / f"{self.bench}-{self.device.slug}-{stamp}.json"
+            path = RESULTS_DIR / f"{name or f'{self.bench}-{self.device.slug}'}-{stamp}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
+
+    def finish(self, json_path: str | Path | None, quick: bool, name: str | None = None) -> None:
+        """A benchmark's last step: save the report (to ``json_path`` when given, else as :meth:`save` names it) and
+        print its summary. A quick (smoke) run's numbers mean nothing: it leaves no file in the checkout unless
+        ``json_path`` asks for one."""
+        if json_path or not quick:
+            print(f"results: {self.save(Path(json_path) if json_path else None, name)}")
+        print(self.summary(), flush=True)
 
 
 def strict_json(value: Any) -> Any:

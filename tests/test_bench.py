@@ -170,7 +170,10 @@ def test_cpu_quick_run_leaves_no_file_unless_asked(tmp_path: Path, monkeypatch: 
     saved = []
 
     class Report:
-        def save(self, path):
+        finish = harness.Report.finish
+
+        def save(self, path, name=None):
+            path = path or harness.RESULTS_DIR / f"{name}.json"
             saved.append(path)
             return path
 
