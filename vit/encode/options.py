@@ -54,9 +54,10 @@ def default_workers(device_type: str, tower_threads: int, cores: int | None = No
     On a GPU, enough to keep it fed (the host only decodes, the tower takes no CPU threads): ``cores - 1``, at most 8.
     On a CPU the workers decode and prepare on the cores the tower computes on: one worker per core its threads leave
     free, at most 4, and none where they take every core (torch's default, one thread per core). There a worker
-    takes a core from one of the tower's threads whenever it runs, and every parallel region of the tower waits at
-    its end for that thread: the tower loses at least the worker's time, more than decoding between batches costs
-    (the preparation then runs on all the tower's threads)."""
+    takes a core from one of the tower's threads whenever it runs (its decoding and preparation, on one torch thread,
+    and its queue's thread copying the rows into shared memory), and every parallel region of the tower waits at its
+    end for that thread: the tower loses about the worker's whole CPU time, more than decoding between batches costs
+    (preparation there runs on all the tower's threads, and nothing is copied)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if device_type == "cuda":
