@@ -12,14 +12,12 @@ of the weights and rank 0 writes. With ``--ray`` the same checks, resuming and i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,13 +25,12 @@ import torch.distributed as dist
 
 from qvl.kernels import backend_for
 
+from .encoder import Encoder, Log, constants
 from .errors import EXIT_RUNTIME, EncodeError
 from .inputs import Input, discover, stamp
-from .invariance import fixed_row_products
-from .loader import Packer, Piece, load
+from .loader import load
 from .options import FORMATS, EncodeOptions, default_workers
-from .prepare import Preparer
-from .progress import Progress, Timings, plural
+from .progress import Progress, plural
 from .tower import (
     BACKEND_NAMES,
     DTYPES,
@@ -60,8 +57,6 @@ from .writer import (
 )
 
 __all__ = ["log", "run"]
-
-Log = Callable[[str], None]
 
 
 def log(message: str) -> None:
@@ -100,9 +95,7 @@ def run(options: EncodeOptions, log: Log = log) -> int:
     _check_extras()
     _check_format(options)
     if options.ray is not None:
-        from .ray import run as run_on_ray
-
-        return run_on_ray(options, log)
+        return _run_on_ray(options, log)
     if options.parallel is None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Each rank a launcher started would encode every input and write the same output.
@@ -121,6 +114,21 @@ def run(options: EncodeOptions, log: Log = log) -> int:
             dist.destroy_process_group()
 
 
+def _run_on_ray(options: EncodeOptions, log: Log) -> int:
+    """``qvl encode --ray``: Ray joined or started, the device and dtype found on the cluster, then the job's checks,
+    index and report with Ray Data's stages as its encoder (:mod:`.ray`)."""
+    from . import ray as on_ray
+
+    if options.parallel is not None:
+        raise EncodeError("--ray and --parallel: Ray runs the tower actors itself (give one of them)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise EncodeError("--ray: started by a launcher with several ranks; start it once, Ray places the work")
+    on_ray.connect(options.ray or None, options.ray_cpus)
+    device = on_ray.cluster_device(options)
+    options = dataclasses.replace(options, dtype=on_ray.dtype_on(device, options.dtype))
+    return _guarded(options, torch.device(device), log)
+
+
 def _guarded(options: EncodeOptions, device: torch.device, log: Log) -> int:
     try:
         return _Job(options, device, log).run()
@@ -129,19 +137,6 @@ def _guarded(options: EncodeOptions, device: torch.device, log: Log) -> int:
             "out of memory (loading the tower or encoding); lower --budget or --max-pixels, or pick a 16-bit --dtype",
             status=EXIT_RUNTIME,
         ) from None
-
-
-def constants(options: EncodeOptions, dtype: torch.dtype, backend: str, config, processing) -> dict[str, str]:
-    """The run's constants written into every shard (:data:`~qvl.vit.encode.writer.RUN_FIELDS`), which a resumed
-    run must match."""
-    return {
-        "format": "qvl-encode/1",
-        "model": options.model or "embedded-random",
-        "dtype": str(dtype).removeprefix("torch."),
-        "backend": backend,
-        "deepstack_visual_indexes": json.dumps(list(config.deepstack_visual_indexes)),
-        "processing": json.dumps(dataclasses.asdict(processing)),
-    }
 
 
 def _world() -> tuple[int, int]:
@@ -175,22 +170,6 @@ def _gathered(values: list, world: int) -> list:
     every = [None] * world
     dist.all_gather_object(every, values)
     return [value for share in every for value in share]
-
-
-def _entry(piece: Piece, keys: Sequence[str] = (), grid: list[int] | None = None, error: str | None = None) -> dict:
-    identity = piece.stamp or {}
-    return {
-        "input": piece.item.number,
-        "source": piece.item.source,
-        "key": piece.item.key,
-        "kind": piece.item.kind,
-        "keys": list(keys),
-        "grid_thw": grid,
-        "sampling": piece.sampling,
-        "size": identity.get("size"),
-        "mtime_ns": identity.get("mtime_ns"),
-        "error": error,
-    }
 
 
 class _Job:
@@ -260,7 +239,7 @@ class _Job:
         # An image fills every temporal slot with one frame: both tower kinds take it once (folded rows, their patch
         # embedding's temporal slices summed), half the pixel values and half the embedding's work.
         fold = tower.config.temporal_patch_size > 1
-        encoder = _Encoder(tower, writer if writes else None, processing, device, not options.compile, fold)
+        encoder = Encoder(tower, writer if writes else None, processing, device, not options.compile, fold)
         progress = Progress(len(share), enabled=options.progress and self.rank == 0)
         start = time.perf_counter()
         try:
@@ -379,89 +358,3 @@ def _layout(config, dtype: torch.dtype) -> FeatureLayout:
 def tower_dtype(tower) -> torch.dtype:
     """The dtype ``tower``'s weights (and so its features) are in."""
     return next(tower.parameters()).dtype
-
-
-class _Encoder:
-    """One rank's loop: pieces -> (prepared on the device where they come unprepared) -> batches -> the tower ->
-    each input's features, a video's chunks joined, -> the writer (None: a rank that does not write)."""
-
-    def __init__(
-        self, tower, writer: ShardWriter | None, processing, device: torch.device, invariant: bool, fold_images: bool
-    ):
-        self.tower, self.writer, self.device = tower, writer, device
-        self.preparer = None if device.type == "cpu" else Preparer(processing, device, fold_images)
-        # Fixed-height product tiles make features independent of the batch on the CPU paths (eager only).
-        self.invariant = invariant and device.type == "cpu"
-        self.merge = tower.config.spatial_merge_size**2
-        self.names = ["merged"] + [f"deepstack.{j}" for j in range(len(tower.config.deepstack_visual_indexes))]
-        self.timings = Timings()
-        self.parts: dict[int, list[dict[str, torch.Tensor]]] = {}  # a video's features so far, per chunk
-        self.failed: set[int] = set()
-
-    def encode(self, pieces, options: EncodeOptions, progress: Progress, log: Log) -> None:
-        packer = Packer(options.budget, options.batch_size)
-        self.progress, self.log = progress, log
-        waited = time.perf_counter()
-        for piece in pieces:
-            self.timings.waiting += time.perf_counter() - waited
-            self.timings.decode += piece.decode_s
-            self.timings.prepare += piece.prepare_s
-            if piece.failure is not None:
-                self._skip(piece)
-            else:
-                if piece.rows is None:
-                    piece = self._prepare(piece)
-                for batch in packer.add(piece):
-                    self._run(batch)
-            waited = time.perf_counter()
-        for batch in packer.flush():
-            self._run(batch)
-
-    def _prepare(self, piece: Piece) -> Piece:
-        start = time.perf_counter()
-        if piece.item.kind == "image":
-            rows, grid = self.preparer.image(piece.pixels)
-        else:
-            rows, grid = self.preparer.video(piece.pixels, piece.size)
-        self.timings.prepare += time.perf_counter() - start
-        return dataclasses.replace(piece, rows=rows, grid=grid, pixels=None)
-
-    def _skip(self, piece: Piece) -> None:
-        number = piece.item.number
-        self.failed.add(number)
-        self.parts.pop(number, None)
-        self.log(f"skipped {piece.item.source}: {piece.failure}")
-        if self.writer is not None:
-            self.writer.add(_entry(piece, error=piece.failure), {})
-        self.progress.update(1, 0)
-
-    def _run(self, batch: list[Piece]) -> None:
-        start = time.perf_counter()
-        rows = torch.cat([piece.rows for piece in batch]) if len(batch) > 1 else batch[0].rows
-        grids = [piece.grid for piece in batch]
-        with fixed_row_products() if self.invariant else contextlib.nullcontext():
-            merged, deepstack = self.tower(rows, grids)
-        counts = [piece.patches // self.merge for piece in batch]
-        # One device-to-host copy per output; clones so that no two written tensors share storage.
-        split = [output.cpu().split(counts) for output in (merged, *deepstack)]
-        outputs = [{name: parts[index].clone() for name, parts in zip(self.names, split, strict=True)}
-                   for index in range(len(batch))]  # fmt: skip
-        self.timings.tower += time.perf_counter() - start
-        for piece, features in zip(batch, outputs, strict=True):
-            if piece.item.number not in self.failed:
-                self._collect(piece, features)
-
-    def _collect(self, piece: Piece, features: dict[str, torch.Tensor]) -> None:
-        number = piece.item.number
-        chunks = self.parts.setdefault(number, [])
-        chunks.append(features)
-        if not piece.last:
-            return
-        del self.parts[number]
-        tensors = {f"image.{number}.{name}": torch.cat([chunk[name] for chunk in chunks]) if len(chunks) > 1
-                   else chunks[0][name] for name in self.names}  # fmt: skip
-        _, height, width = piece.grid
-        steps = sum(chunk["merged"].shape[0] for chunk in chunks) * self.merge // (height * width)
-        if self.writer is not None:
-            self.writer.add(_entry(piece, sorted(tensors), [steps, height, width]), tensors)
-        self.progress.update(1, steps * height * width)

@@ -10,7 +10,7 @@ shard, named after its inputs (:func:`group_name`). So:
   tower the uint8 pixels go on, prepared on the device by the actor), as the loader's workers do;
 - :class:`Tower` (an actor pool, ``concurrency`` actors: one per GPU with ``num_gpus=1``; on a CPU, actors of
   ``--ray-actor-cpus`` CPUs and as many torch threads): loads the checkpoint once in ``__init__`` and encodes each
-  group with the single process's encoder (:class:`qvl.vit.encode.job._Encoder`): the same packing by ``--budget``
+  group with the single process's encoder (:class:`qvl.vit.encode.encoder.Encoder`): the same packing by ``--budget``
   and ``--batch-size``, the same fixed-height product tiles on a CPU (:mod:`.invariance`), so that every input's
   features are bitwise those of a single-process run on the same device, dtype and thread count, whatever groups and
   batches Ray forms;
@@ -175,7 +175,7 @@ def settings_for(options: EncodeOptions, folder: Path | str, device: str = "cpu"
     (so that ``qvl encode --resume`` continues such a folder). The folder is not checked nor created here."""
     from qvl.kernels import backend_for
 
-    from .job import constants
+    from .encoder import constants
     from .tower import default_dtype, model_kind, resolve_checkpoint, with_options
 
     model = None if options.model is None else resolve_checkpoint(options.model, _quiet)
@@ -290,14 +290,14 @@ class Tower:
     def __call__(self, batch: dict) -> dict:
         from qvl.kernels import force_backend
 
-        from .job import _Encoder
+        from .encoder import Encoder
         from .progress import Progress
 
         settings = self.settings
         features, seconds = [], []
         for payload, (decode_s, prepare_s) in zip(_each(batch, "pieces"), _each(batch, "seconds"), strict=True):
             collected = _Collected()
-            encoder = _Encoder(self.tower, collected, settings.processing, self.device, not settings.compile,
+            encoder = Encoder(self.tower, collected, settings.processing, self.device, not settings.compile,
                                settings.fold)  # fmt: skip
             progress = Progress(0, enabled=False)
             with torch.no_grad(), force_backend(self.backend) if self.backend else contextlib.nullcontext():
@@ -451,18 +451,3 @@ def dtype_on(device: str, dtype: str | None) -> str:
 
     probe = _ray().remote(num_gpus=1)(lambda: default_dtype(torch.device("cuda")))
     return _ray().get(probe.remote())
-
-
-def run(options: EncodeOptions, log: Callable[[str], None]) -> int:
-    """``qvl encode --ray``: Ray joined or started, the device and dtype found on the cluster, then the job
-    (:func:`qvl.vit.encode.job.run`'s checks, index and report) with the stages above as its encoder."""
-    if options.parallel is not None:
-        raise EncodeError("--ray and --parallel: Ray runs the tower actors itself (give one of them)")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise EncodeError("--ray: started by a launcher with several ranks; start it once, Ray places the work")
-    connect(options.ray or None, options.ray_cpus)
-    device = cluster_device(options)
-    options = dataclasses.replace(options, dtype=dtype_on(device, options.dtype))
-    from .job import _guarded
-
-    return _guarded(options, torch.device(device), log)
