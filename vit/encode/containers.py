@@ -31,7 +31,7 @@ import re
 import tarfile
 from collections import OrderedDict
 
-from .errors import EncodeError
+from .errors import EncodeError, require_pyarrow
 
 __all__ = [
     "DATASET_STATE",
@@ -194,16 +194,6 @@ def list_tar(path: str, image_suffixes: frozenset[str]) -> list[tuple]:
     return listed
 
 
-def _pyarrow(what: str):
-    try:
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        raise EncodeError(f"{what}: reading it needs pyarrow; pip install 'qvl[data]'") from None
-    return pyarrow
-
-
 def _is_image_type(pa, kind) -> bool:
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind):
         return True
@@ -237,7 +227,7 @@ def _image_column(pa, schema, image_column: str | None, what: str) -> str:
 
 def list_parquet(path: str, image_column: str | None) -> list[tuple]:
     """A Parquet file's rows, each an input of its image column (from the footer alone)."""
-    pa = _pyarrow(path)
+    pa = require_pyarrow(f"{path}: reading it")
     try:
         parquet = pa.parquet.ParquetFile(path)
     except (OSError, pa.ArrowException) as error:
@@ -273,7 +263,7 @@ def _open_arrow(pa, path: str):
 
 def list_dataset_folder(folder: str, image_column: str | None) -> list[tuple]:
     """A ``datasets.save_to_disk`` folder's rows, each an input of its image column."""
-    pa = _pyarrow(folder)
+    pa = require_pyarrow(f"{folder}: reading it")
     listed, row = [], 0
     for path in _dataset_files(folder):
         try:

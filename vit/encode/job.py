@@ -26,7 +26,7 @@ import torch.distributed as dist
 from qvl.kernels import backend_for
 
 from .encoder import Encoder, Log, constants
-from .errors import EXIT_RUNTIME, EncodeError
+from .errors import EXIT_RUNTIME, EncodeError, require_pyarrow
 from .inputs import Input, discover, stamp
 from .loader import load
 from .options import FORMATS, EncodeOptions, default_workers
@@ -82,10 +82,7 @@ def _check_format(options: EncodeOptions) -> None:
     if options.format is not None and named is not None and options.format != named:
         raise EncodeError(f"--format {options.format}: --output {options.output} is a {named} file")
     if options.output_format == "parquet":
-        try:
-            import pyarrow.parquet  # noqa: F401
-        except ImportError:
-            raise EncodeError("--format parquet needs pyarrow; pip install 'qvl[data]'") from None
+        require_pyarrow("--format parquet")
 
 
 def run(options: EncodeOptions, log: Log = log) -> int:

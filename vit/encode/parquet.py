@@ -28,21 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import EncodeError
+from .errors import require_pyarrow
 
 __all__ = ["column_name", "merge_parts", "read_metadata", "schema", "write_part"]
 
 # Rows of a row group are chosen to hold about this many bytes of features.
 ROW_GROUP_BYTES = 64 * 2**20
-
-
-def _pyarrow():
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        raise EncodeError("--format parquet: writing Parquet needs pyarrow; pip install 'qvl[data]'") from None
-    return pa
+WRITING = "--format parquet: writing Parquet"
 
 
 def column_name(name: str) -> str:
@@ -57,7 +49,7 @@ def _value_type(pa, dtype: torch.dtype):
 def schema(names: list[str], width: int, dtype: torch.dtype, metadata: dict[str, str] | None = None):
     """The Arrow schema of a run whose features are ``names`` (``merged``, ``deepstack.0``, ...), ``width`` values a
     token, computed in ``dtype``."""
-    pa = _pyarrow()
+    pa = require_pyarrow(WRITING)
     token = pa.list_(_value_type(pa, dtype), width)
     fields = [
         pa.field("input", pa.int64()),
@@ -96,7 +88,7 @@ def write_part(
 ) -> None:
     """One Parquet file at ``path`` (written as is: the caller renames it into place) holding the rows of the encoded
     ``entries`` (in input order; their features ``tensors[f"image.{i}.{name}"]``) and ``metadata``."""
-    pa = _pyarrow()
+    pa = require_pyarrow(WRITING)
     encoded = sorted((entry for entry in entries if entry["error"] is None), key=lambda entry: entry["input"])
     table_schema = schema(names, width, dtype, metadata)
     columns = [
@@ -117,21 +109,21 @@ def write_part(
 def read_metadata(path: Path) -> dict[str, str]:
     """The schema metadata of Parquet file ``path`` (its run's constants and index entries). Raises OSError or
     pyarrow's ArrowException where it cannot be read."""
-    pa = _pyarrow()
+    pa = require_pyarrow(WRITING)
     metadata = pa.parquet.read_schema(str(path)).metadata or {}
     return {key.decode(): value.decode() for key, value in metadata.items()}
 
 
 def read_table(path: Path):
     """The rows of Parquet file ``path``."""
-    return _pyarrow().parquet.read_table(str(path))
+    return require_pyarrow(WRITING).parquet.read_table(str(path))
 
 
 def merge_parts(paths: list[Path], path: Path, metadata: dict[str, str]) -> int:
     """The rows of the Parquet files ``paths`` as one file at ``path`` (written as is), in input order, with
     ``metadata``; returns the number of rows. Every part is read into memory (the single-file layout is for small
     jobs)."""
-    pa = _pyarrow()
+    pa = require_pyarrow(WRITING)
     tables = [pa.parquet.read_table(str(part)) for part in paths]
     table = pa.concat_tables(tables).sort_by("input")
     table = table.replace_schema_metadata(metadata)

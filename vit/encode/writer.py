@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -77,9 +77,17 @@ def _reason(error: Exception) -> str:
     return getattr(error, "strerror", None) or str(error).splitlines()[0] or type(error).__name__
 
 
-def _from_pyarrow(error: Exception) -> bool:
-    """Whether ``error`` is one of pyarrow's (ArrowException's subclasses: a Parquet shard's I/O or data)."""
-    return type(error).__module__.split(".")[0] == "pyarrow"
+@contextlib.contextmanager
+def _file_errors(what: str) -> Iterator[None]:
+    """A shard file's failure as an :class:`EncodeError` ``"{what} ({reason})"``: OSError, safetensors' own
+    SafetensorError (its I/O failures are not OSErrors), or one of pyarrow's (ArrowException's subclasses: a Parquet
+    shard's I/O or data); anything else as it is."""
+    try:
+        yield
+    except Exception as error:
+        if not isinstance(error, (OSError, SafetensorError)) and type(error).__module__.split(".")[0] != "pyarrow":
+            raise
+        raise EncodeError(f"{what} ({_reason(error)})") from None
 
 
 def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -87,17 +95,11 @@ def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
     old file or the new one. Raises :class:`EncodeError` naming ``path`` (exit status 2), the temporary removed."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write(temporary)
-        with open(temporary, "rb") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    # safetensors reports its own I/O failures as SafetensorError, not OSError.
-    except (OSError, SafetensorError) as error:
-        raise EncodeError(f"{path}: cannot write ({_reason(error)})") from None
-    except Exception as error:
-        if not _from_pyarrow(error):
-            raise
-        raise EncodeError(f"{path}: cannot write ({_reason(error)})") from None
+        with _file_errors(f"{path}: cannot write"):
+            write(temporary)
+            with open(temporary, "rb") as file:
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
@@ -214,19 +216,13 @@ def read_shards(folder: Path) -> tuple[list[dict], dict[str, str] | None]:
 
 
 def _shard_metadata(path: Path) -> dict[str, str]:
-    try:
+    with _file_errors(f"{path}: unreadable shard"):
         if path.suffix == SHARD_SUFFIXES["parquet"]:
             from . import parquet
 
             return parquet.read_metadata(path)
         with safe_open(str(path), framework="pt") as handle:
             return handle.metadata() or {}
-    except (OSError, SafetensorError) as error:
-        raise EncodeError(f"{path}: unreadable shard ({_reason(error)})") from None
-    except Exception as error:
-        if not _from_pyarrow(error):
-            raise
-        raise EncodeError(f"{path}: unreadable shard ({_reason(error)})") from None
 
 
 def check_format(folder: Path, fmt: str) -> None:
